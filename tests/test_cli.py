@@ -1,0 +1,131 @@
+"""generate.py's command line: every bad input is one clear line on stderr and exit code 2."""
+import json
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from conftest import make_tiny_hf_model
+from generate import main
+from scripts.convert_hf_checkpoint import convert_hf_checkpoint
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(code, err, *fragments):
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in lines[-1], (fragment, lines[-1])
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny")
+    make_tiny_hf_model("llama-gqa").save_pretrained(directory)
+    convert_hf_checkpoint(directory)
+    return directory
+
+
+def test_missing_checkpoint(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "--checkpoint", str(tmp_path / "nope" / "model.pth"))
+    assert_one_line_error(code, err, "not found")
+
+
+def test_directory_without_model_pth(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "--checkpoint", str(tmp_path))
+    assert_one_line_error(code, err, "has no model.pth", "convert_hf_checkpoint.py")
+
+
+def test_truncated_checkpoint(capsys, tiny_checkpoint, tmp_path):
+    shutil.copy(tiny_checkpoint / "config.json", tmp_path)
+    data = (tiny_checkpoint / "model.pth").read_bytes()
+    (tmp_path / "model.pth").write_bytes(data[: len(data) // 2])
+    code, _, err = run_cli(capsys, "--checkpoint", str(tmp_path / "model.pth"))
+    assert_one_line_error(code, err, "truncated or corrupt")
+
+
+class Payload:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+def test_pickle_with_code_is_refused_not_executed(capsys, tiny_checkpoint, tmp_path):
+    shutil.copy(tiny_checkpoint / "config.json", tmp_path)
+    torch.save({"x": Payload()}, tmp_path / "model.pth", pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    code, out, err = run_cli(capsys, "--checkpoint", str(tmp_path / "model.pth"))
+    assert_one_line_error(code, err, "weights_only")
+    assert "this must never run" not in out + err
+
+
+def test_config_that_contradicts_the_weights_names_the_tensor(capsys, tiny_checkpoint, tmp_path):
+    shutil.copy(tiny_checkpoint / "model.pth", tmp_path)
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    config["intermediate_size"] = 128
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, _, err = run_cli(capsys, "--checkpoint", str(tmp_path / "model.pth"))
+    assert_one_line_error(code, err, "layers.0.feed_forward.w1.weight", "(96, 64)", "(128, 64)")
+
+
+def test_missing_tensor_is_named(capsys, tiny_checkpoint, tmp_path):
+    shutil.copy(tiny_checkpoint / "config.json", tmp_path)
+    state = torch.load(tiny_checkpoint / "model.pth", weights_only=True)
+    del state["layers.1.ffn_norm.weight"]
+    torch.save(state, tmp_path / "model.pth")
+    code, _, err = run_cli(capsys, "--checkpoint", str(tmp_path / "model.pth"))
+    assert_one_line_error(code, err, "layers.1.ffn_norm.weight")
+
+
+def test_tokenizer_from_another_model(capsys, tiny_checkpoint, smollm2_checkpoint, tmp_path):
+    for name in ("model.pth", "config.json"):
+        shutil.copy(tiny_checkpoint / name, tmp_path)
+    shutil.copy(smollm2_checkpoint.parent / "tokenizer.json", tmp_path)
+    code, _, err = run_cli(capsys, "--checkpoint", str(tmp_path / "model.pth"))
+    assert_one_line_error(code, err, "49152 tokens", "97")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--max_new_tokens", "0"], "--max_new_tokens"),
+    (["--max_new_tokens", "-3"], "--max_new_tokens"),
+    (["--device", "tpu"], "--device"),
+    (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "nonsense"], "--device"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--top_k", "0"], "--top_k"),
+    (["--batch_size", "0"], "--batch_size"),
+    (["--prompt", ""], "empty"),
+])
+def test_bad_arguments(capsys, argv, fragment):
+    code, _, err = run_cli(capsys, *argv)
+    assert_one_line_error(code, err, fragment)
+
+
+def test_prompt_files(capsys, tmp_path):
+    (tmp_path / "empty.txt").write_text("  \n")
+    code, _, err = run_cli(capsys, "--prompt_file", str(tmp_path / "empty.txt"))
+    assert_one_line_error(code, err, "empty")
+    code, _, err = run_cli(capsys, "--prompt_file", str(tmp_path / "missing.txt"))
+    assert_one_line_error(code, err, "not found")
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    code, _, err = run_cli(capsys, "--prompt_file", str(tmp_path / "latin1.txt"))
+    assert_one_line_error(code, err, "not UTF-8")
+
+
+def test_prompt_longer_than_max_seq_length(capsys, smollm2_checkpoint):
+    code, _, err = run_cli(capsys, "--prompt", "word " * 50, "--max_seq_length", "20")
+    assert_one_line_error(code, err, "--max_seq_length 20")
+
+
+def test_generation_stops_at_max_seq_length_with_a_note(capsys, smollm2_checkpoint):
+    code, out, err = run_cli(capsys, "--prompt", "One, two, three,", "--max_seq_length", "10",
+                             "--max_new_tokens", "50", "--temperature", "0", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    room = 10 - result["prompt_tokens"][0]
+    assert f"leaves room for {room} new tokens" in err
+    assert result["new_tokens"] == [room]

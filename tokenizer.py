@@ -1,0 +1,176 @@
+"""One tokenizer interface over SentencePiece, tiktoken and HF `tokenizers`, plus chat formats.
+
+`get_tokenizer(checkpoint_dir)` picks by what the directory holds:
+- `tokenizer.json` -> HF `tokenizers` (SmolLM2, Qwen2.5, and HF-format Llama-3),
+- `tokenizer.model` that SentencePiece can read -> SentencePiece (Llama-2, Mistral),
+- `tokenizer.model` that it cannot -> tiktoken with Llama-3's pattern and special tokens.
+
+Chat formats are chosen from the vocabulary: ChatML where `<|im_start|>` exists, the Llama-3 header
+format where `<|start_header_id|>` exists, else Llama-2's `[INST]`. They wrap one user message the
+way each model's own chat template does (SmolLM2 and Qwen2.5 add their default system prompt).
+"""
+import json
+from pathlib import Path
+from typing import Iterable, Optional
+
+# Names that end a turn or a document in the supported families; any present in the vocabulary stops generation.
+END_TOKEN_NAMES = ("</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>")
+
+# The default system message each family's chat template inserts when the user gives none.
+DEFAULT_SYSTEM_PROMPTS = {
+    "smollm2": "You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+    "qwen2.5": "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+}
+
+
+class Tokenizer:
+    """encode/decode, the ids that stop generation, and the chat format of one model."""
+
+    vocab_size: int
+    bos_id: Optional[int] = None
+
+    def __init__(self, checkpoint_dir: Path):
+        self.checkpoint_dir = checkpoint_dir
+        self.stop_ids = {i for name in END_TOKEN_NAMES if (i := self.token_to_id(name)) is not None}
+        self.stop_ids |= _configured_eos_ids(checkpoint_dir)
+        self.default_system = next((text for family, text in DEFAULT_SYSTEM_PROMPTS.items()
+                                    if family in checkpoint_dir.name.lower()), None)
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are recognised.
+
+        `bos` adds the model's begin-of-sequence token where the model uses one.
+        """
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        raise NotImplementedError
+
+    @property
+    def chat_format(self) -> str:
+        if self.token_to_id("<|im_start|>") is not None:
+            return "chatml"
+        if self.token_to_id("<|start_header_id|>") is not None:
+            return "llama3"
+        return "llama2"
+
+    def encode_chat(self, prompt: str, system: Optional[str] = None) -> list[int]:
+        """Ids of one user turn wrapped in the model's chat format, ending where the reply starts."""
+        system = system if system is not None else self.default_system
+        if self.chat_format == "chatml":
+            text = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
+            text += f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+            return self.encode(text, bos=False)
+        if self.chat_format == "llama3":
+            text = "<|begin_of_text|>"
+            if system:
+                text += f"<|start_header_id|>system<|end_header_id|>\n\n{system.strip()}<|eot_id|>"
+            text += f"<|start_header_id|>user<|end_header_id|>\n\n{prompt.strip()}<|eot_id|>"
+            text += "<|start_header_id|>assistant<|end_header_id|>\n\n"
+            return self.encode(text, bos=False)
+        if system:
+            prompt = f"<<SYS>>\n{system}\n<</SYS>>\n\n{prompt}"
+        return self.encode(f"[INST] {prompt.strip()} [/INST]", bos=True)
+
+
+def _configured_eos_ids(checkpoint_dir: Path) -> set[int]:
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = checkpoint_dir / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                ids |= set(eos) if isinstance(eos, list) else {eos}
+    return ids
+
+
+class SentencePieceTokenizer(Tokenizer):
+    def __init__(self, model_file: Path):
+        import sentencepiece as spm
+
+        self.processor = spm.SentencePieceProcessor(model_file=str(model_file))
+        self.vocab_size = self.processor.vocab_size()
+        self.bos_id = self.processor.bos_id()
+        super().__init__(model_file.parent)
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        return ([self.bos_id] if bos else []) + self.processor.encode(text)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.processor.decode(list(ids))
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        i = self.processor.piece_to_id(token)
+        return i if i != self.processor.unk_id() or token == self.processor.id_to_piece(i) else None
+
+
+class TiktokenTokenizer(Tokenizer):
+    """Llama-3's tokenizer.model: base64 BPE ranks plus 256 special tokens after them."""
+
+    pattern = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+    num_reserved_special_tokens = 256
+
+    def __init__(self, model_file: Path):
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+
+        ranks = load_tiktoken_bpe(str(model_file))
+        names = ["<|begin_of_text|>", "<|end_of_text|>"] + [f"<|reserved_special_token_{i}|>" for i in range(4)]
+        names += ["<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>"]
+        names += [f"<|reserved_special_token_{i}|>" for i in range(5, self.num_reserved_special_tokens - 5)]
+        self.special_tokens = {name: len(ranks) + i for i, name in enumerate(names)}
+        self.model = tiktoken.Encoding(name=model_file.name, pat_str=self.pattern, mergeable_ranks=ranks,
+                                       special_tokens=self.special_tokens)
+        self.vocab_size = self.model.n_vocab
+        self.bos_id = self.special_tokens["<|begin_of_text|>"]
+        super().__init__(model_file.parent)
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        return ([self.bos_id] if bos else []) + self.model.encode(text, allowed_special="all")
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.model.decode(list(ids))
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        return self.special_tokens.get(token)
+
+
+class HFTokenizer(Tokenizer):
+    """A tokenizer.json read by HF `tokenizers` (its post-processor decides whether BOS is added)."""
+
+    def __init__(self, tokenizer_file: Path):
+        from tokenizers import Tokenizer as RustTokenizer
+
+        self.model = RustTokenizer.from_file(str(tokenizer_file))
+        self.vocab_size = self.model.get_vocab_size(with_added_tokens=True)
+        config_file = tokenizer_file.parent / "tokenizer_config.json"
+        bos = json.loads(config_file.read_text()).get("bos_token") if config_file.is_file() else None
+        self.bos_id = self.model.token_to_id(bos["content"] if isinstance(bos, dict) else bos) if bos else None
+        super().__init__(tokenizer_file.parent)
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        return self.model.encode(text, add_special_tokens=bos).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.model.decode(list(ids), skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        return self.model.token_to_id(token)
+
+
+def get_tokenizer(checkpoint_dir: Path) -> Tokenizer:
+    checkpoint_dir = Path(checkpoint_dir)
+    if (checkpoint_dir / "tokenizer.json").is_file():
+        return HFTokenizer(checkpoint_dir / "tokenizer.json")
+    model_file = checkpoint_dir / "tokenizer.model"
+    if not model_file.is_file():
+        raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {checkpoint_dir}")
+    with open(model_file, "rb") as f:
+        is_sentencepiece = f.read(1) == b"\n"  # a serialized ModelProto starts with field 1 (pieces)
+    if is_sentencepiece:
+        return SentencePieceTokenizer(model_file)
+    return TiktokenTokenizer(model_file)
