@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from model import FLEX_BLOCK_SIZE, ModelArgs, Transformer, create_causal_block_mask, flex_attention_available
+from model import CAUSAL_PROMPT, ModelArgs, Transformer, create_causal_block_mask, flex_attention_available
 from tokenizer import Tokenizer, get_tokenizer
 
 
@@ -58,12 +58,14 @@ def sample(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None
 # Prefill and decode
 # ---------------------------------------------------------------------------------------------
 
-def prefill(model: Transformer, tokens: Tensor, lengths: Tensor, use_flex: bool = False, **sampling) -> Tensor:
-    """Run the right-padded prompts (B, S) through the model; the first new token of each (B, 1)."""
+def prefill(model: Transformer, tokens: Tensor, lengths: Tensor, **sampling) -> Tensor:
+    """Run the right-padded prompts (B, S) through the model; the first new token of each (B, 1).
+
+    Attention is SDPA's causal kernel, compiled or not: compiled FlexAttention prefill on CPU failed
+    to build or gave wrong logits in torch 2.13 (decode, one query per sequence, is fine).
+    """
     input_pos = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
-    causal = create_causal_block_mask(model.max_seq_length, tokens.device) if use_flex else None
-    mask = model.make_mask(input_pos, causal)
-    logits = model(tokens, input_pos, mask, output_index=(lengths - 1).unsqueeze(1))
+    logits = model(tokens, input_pos, CAUSAL_PROMPT, output_index=(lengths - 1).unsqueeze(1))
     return sample(logits, **sampling)
 
 
@@ -145,7 +147,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     _sync(device)
     t0 = time.perf_counter()
     if compile_prefill:
-        next_token = torch.compile(prefill, fullgraph=True, dynamic=True)(model, tokens, lengths, use_flex, **sampling)
+        next_token = torch.compile(prefill, fullgraph=True, dynamic=True)(model, tokens, lengths, **sampling)
     else:
         with torch.compiler.set_stance("force_eager"):
             next_token = prefill(model, tokens, lengths, **sampling)
@@ -402,7 +404,7 @@ def run(args: argparse.Namespace) -> None:
     if args.compile:
         compile_decode(model)
     stream = len(prompts) == 1 and not args.json
-    runs = ([-1] if args.compile else []) + list(range(args.num_samples))
+    runs = ([-1] if args.compile or args.compile_prefill else []) + list(range(args.num_samples))
     results = []
     for i in runs:
         if i == -1:
