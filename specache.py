@@ -1,0 +1,537 @@
+"""SpeCache: speculative key-value caching (Jie et al., ICML 2025, arXiv 2503.16163), in one file.
+
+The complete 16-bit KV cache lives in the big slow tier (host RAM); the small fast tier (VRAM, or
+on a CPU the working set a step reads) keeps a 1- or 2-bit copy of every key and value, a 16-bit
+window of the newest tokens, and a buffer of k fetched 16-bit pairs per layer and KV head. Every
+decode step runs two tokens at once, the real one and a speculative guess of the next one; the
+speculative row's attention decides which k pairs to fetch for the next step, and the fetch runs
+while the rest of this step computes.
+
+Algorithm (the paper's Appendix A; names as there):
+
+  Prefill. Each layer attends over the prompt in full precision, then quantizes the prompt's
+  keys and values into the low-bit copy (whole groups, all but the newest R tokens, which stay in
+  the 16-bit residual window) and sends its 16-bit K, V to the slow tier, before the next layer
+  runs.
+
+  Bootstrap step. The first token T1, sampled from the prefill logits, attends over the low-bit
+  copy and the window. Its attention weights give kappa_1, the top-k positions per layer and KV
+  head, whose fetch starts at once; its logits give the first speculative token T'2. Its K, V are
+  dropped (the next step computes them again).
+
+  Decode step t. Rows [T_t, T'_{t+1}] attend in mixed precision: 16-bit pairs at the fetched
+  positions kappa_t and in the window, the low-bit copy everywhere else (nothing is dropped). The
+  real row does not see the speculative row's key. Per layer, the speculative row's weights give
+  kappa_{t+1}, and its fetch starts as soon as the layer is done. The real row's K, V join the
+  window (whose oldest group moves on to the low-bit copy and the slow tier once the window holds
+  R + g tokens); the speculative row's are dropped. Row 0's logits give T_{t+1} (any sampler), row 1's give T'_{t+2} (greedy).
+  A wrong guess is never rolled back: it only makes the next fetch less apt.
+
+Choices the paper leaves open (ours), all configurable in `SpeCacheConfig`:
+- Keys are quantized after RoPE. Scales and zeros are fp16 (bf16 when the model is bf16).
+- The exact tiers (slow store, window, fetched buffer) hold 16-bit pairs: the model's dtype when it
+  is 16-bit, fp16 when the model runs in fp32 (the fast dtype on a CPU), so a CPU run keeps the
+  paper's memory budget; `pair_dtype=torch.float32` makes SpeCache with top-k at least the context
+  length reproduce an fp32 full cache exactly.
+- The window always holds the newest R tokens in 16 bits, plus up to g - 1 older ones waiting for
+  a whole group: when it reaches R + g tokens, its oldest g are quantized together (keys need a
+  whole group of tokens) and written to the slow tier. (KIVI's code instead quantizes its whole
+  window when it reaches R, leaving 0..R-1 recent tokens in 16 bits; on SmolLM2 needle prompts
+  that quantized most of the question and cost answers.) Positions in the window are 16-bit
+  already, so kappa is drawn from the quantized positions only.
+- With GQA, the weights are averaged over the query heads of a KV head before the top-k.
+- The speculative token is the greedy choice of row 1, whatever sampler row 0 uses.
+- Values are grouped over min(group, head_dim) channels.
+- Batches are ragged: each sequence keeps its own lengths, window and kappa.
+
+Variants: `speculative=False` is the paper's non-speculative baseline (each step scores the real
+token against the low-bit copy, fetches its exact top-k synchronously, then attends again);
+`topk=0` is KIVI alone (the low-bit copy and the window, nothing fetched).
+"""
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from kernels.attention import LowBitKV, Segments, mixed_attention
+from kernels.quant import quantize_keys, quantize_values, scale_dtype_for, value_group
+from model import CAUSAL_PROMPT, Transformer, attention
+
+
+@dataclass(frozen=True)
+class SpeCacheConfig:
+    bits: int = 1  # low-bit copy: 1 or 2 bits per element
+    group: int = 64  # g: tokens per key group (per channel), channels per value group (per token)
+    residual: int = 64  # R: the newest R tokens stay 16-bit; a multiple of g
+    topk: int = 64  # k: 16-bit pairs fetched per layer and KV head each step; 0 = KIVI alone
+    speculative: bool = True  # False: the paper's non-speculative baseline
+    stats: bool = False  # also measure recall@k of kappa (an extra scoring pass per layer)
+    pair_dtype: Optional[torch.dtype] = None  # the exact pairs' dtype; None: 16-bit (see above)
+
+    def pair_dtype_for(self, model_dtype: torch.dtype) -> torch.dtype:
+        if self.pair_dtype is not None:
+            return self.pair_dtype
+        return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.float16
+
+    def validate(self, head_dim: int) -> None:
+        if self.bits not in (1, 2):
+            raise ValueError(f"SpeCache bits must be 1 or 2, got {self.bits}")
+        if self.group < 1 or self.residual < 1:
+            raise ValueError(f"SpeCache group and residual must be positive, got {self.group} and {self.residual}")
+        if self.residual % self.group:
+            raise ValueError(f"the residual window ({self.residual}) must be a multiple of the group size "
+                             f"({self.group}), so that groups of tokens leave the window whole")
+        if self.topk < 0:
+            raise ValueError(f"SpeCache top-k must be >= 0, got {self.topk}")
+        if head_dim * self.bits % 8:
+            raise ValueError(f"SpeCache packs each token's {self.bits}-bit codes into whole bytes, so head_dim x bits "
+                             f"must be a multiple of 8; this model's head_dim is {head_dim}")
+        if head_dim % value_group(self.group, head_dim):
+            raise ValueError(f"head_dim {head_dim} is not a multiple of the value group size {self.group}")
+
+
+class SpeCacheState:
+    """What all layers share: per-sequence lengths, on the device (for the kernels) and on the host
+    (for the decisions the Python loop makes, so it never waits on the device)."""
+
+    def __init__(self, config: SpeCacheConfig, batch_size: int, capacity: int, device: torch.device):
+        self.config, self.capacity = config, capacity
+        self.quantized_len = torch.zeros(batch_size, dtype=torch.long, device=device)  # Lq
+        self.window_len = torch.zeros(batch_size, dtype=torch.long, device=device)  # r
+        self.host_quantized_len = [0] * batch_size
+        self.host_window_len = [0] * batch_size
+        self.prefilling = True  # prefill: full-precision attention, then ingest the prompt
+        self.append = True  # decode: keep the real row's K, V (not in the bootstrap step)
+
+    def begin(self, lengths: list[int]) -> None:
+        """Before prefill: sequence b will hold lengths[b] tokens; whole groups of all but the
+        newest R are quantized (Lq), the rest (R to R + g - 1 tokens) stay in the window."""
+        r, g = self.config.residual, self.config.group
+        self.host_quantized_len = [max(0, n - r) // g * g for n in lengths]
+        self.host_window_len = [n - lq for n, lq in zip(lengths, self.host_quantized_len)]
+        self._sync()
+
+    def _sync(self) -> None:
+        self.quantized_len.copy_(torch.tensor(self.host_quantized_len))
+        self.window_len.copy_(torch.tensor(self.host_window_len))
+
+    def sequences_to_flush(self) -> list[int]:
+        return [b for b, r in enumerate(self.host_window_len) if r == self.config.residual + self.config.group]
+
+
+class SlowTier:
+    """The complete 16-bit K and V of one layer: pinned host memory beside a GPU, else plain RAM.
+
+    (A memory-mapped file would slot in here for caches larger than RAM.)
+    """
+
+    def __init__(self, shape: tuple, dtype: torch.dtype, fast_device: torch.device):
+        pin = fast_device.type == "cuda"
+        self.k = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.v = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.copy_stream = torch.cuda.Stream(fast_device) if pin else None
+
+    def write(self, b: int, start: int, k: Tensor, v: Tensor) -> None:
+        """Store k, v (Hkv, N, D) of sequence b at positions [start, start + N)."""
+        if self.copy_stream is None:
+            self.k[b, :, start: start + k.shape[1]] = k
+            self.v[b, :, start: start + v.shape[1]] = v
+            return
+        # Copy out on the side stream, and keep the source alive until the copy is done.
+        self.copy_stream.wait_stream(torch.cuda.current_stream(k.device))
+        with torch.cuda.stream(self.copy_stream):
+            self.k[b, :, start: start + k.shape[1]].copy_(k, non_blocking=True)
+            self.v[b, :, start: start + v.shape[1]].copy_(v, non_blocking=True)
+        k.record_stream(self.copy_stream)
+        v.record_stream(self.copy_stream)
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+def gather_pairs(store: Tensor, positions: Tensor, out: Tensor) -> None:
+    """out[b, h, i] = store[b, h, positions[b, h, i]]: the 16-bit pairs of kappa."""
+    torch.gather(store, 2, positions.unsqueeze(-1).expand(*positions.shape, store.shape[-1]), out=out)
+
+
+class PairFetcher:
+    """Moves kappa's 16-bit pairs from the slow tier into the fast tier's fetched buffer, in the
+    background: `start` returns at once, `wait` returns when they have landed.
+
+    CPU: a worker thread gathers from the store while the main thread computes later layers.
+    CUDA: the worker waits for kappa (an event on the compute stream), copies it to the host, gathers
+    the pairs from pinned memory into a pinned staging buffer, and copies them up on a side stream;
+    `wait` makes the compute stream wait for that copy, so the host never blocks on the GPU.
+    """
+
+    def __init__(self, layer: "SpeCacheLayer", executor: ThreadPoolExecutor):
+        self.layer, self.executor = layer, executor
+        self.pending: Optional[Future] = None
+        self.device = layer.fetched_k.device
+        if self.device.type == "cuda":
+            shape = layer.fetched_k.shape
+            self.stream = torch.cuda.Stream(self.device)
+            self.host_positions = torch.zeros(shape[:3], dtype=torch.long, pin_memory=True)
+            self.staging_k = torch.zeros(shape, dtype=layer.fetched_k.dtype, pin_memory=True)
+            self.staging_v = torch.zeros(shape, dtype=layer.fetched_v.dtype, pin_memory=True)
+            self.landed = torch.cuda.Event()
+
+    def start(self) -> None:
+        """Fetch the pairs of the layer's new kappa (kappa_pos / kappa_valid)."""
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+            self.pending = self.executor.submit(self._fetch_cuda, ready)
+        else:
+            self.pending = self.executor.submit(self.fetch_now)
+
+    def wait(self) -> None:
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        pending.result()  # re-raises here whatever went wrong in the worker
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).wait_event(self.landed)
+
+    def fetch_now(self) -> None:
+        """Synchronous fetch, on the CPU (the non-speculative baseline calls it inside the layer)."""
+        layer = self.layer
+        gather_pairs(layer.slow.k, layer.kappa_pos, layer.fetched_k)
+        gather_pairs(layer.slow.v, layer.kappa_pos, layer.fetched_v)
+        layer.fetched_pos.copy_(layer.kappa_pos)
+        layer.fetched_valid.copy_(layer.kappa_valid)
+
+    def _fetch_cuda(self, ready: "torch.cuda.Event") -> None:
+        layer = self.layer
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            self.host_positions.copy_(layer.kappa_pos, non_blocking=True)
+            layer.fetched_pos.copy_(layer.kappa_pos, non_blocking=True)
+            layer.fetched_valid.copy_(layer.kappa_valid, non_blocking=True)
+            positions_copied = torch.cuda.Event()
+            positions_copied.record(self.stream)
+        # Waiting here blocks this worker only. The stream is in order, so the previous step's
+        # upload from the staging buffers is also done once the positions have arrived.
+        positions_copied.synchronize()
+        gather_pairs(layer.slow.k, self.host_positions, self.staging_k)
+        gather_pairs(layer.slow.v, self.host_positions, self.staging_v)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            layer.fetched_k.copy_(self.staging_k, non_blocking=True)
+            layer.fetched_v.copy_(self.staging_v, non_blocking=True)
+            self.landed.record(self.stream)
+
+
+@torch.compiler.disable
+def _fetch_synchronously(fetcher: PairFetcher) -> None:
+    """The non-speculative baseline's fetch: outside any compiled graph, and waited for."""
+    fetcher.start()
+    fetcher.wait()
+
+
+class SpeCacheLayer(nn.Module):
+    """One layer's SpeCache, plugged in as `Attention.kv_cache` (see model.py)."""
+
+    def __init__(self, state: SpeCacheState, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, executor: ThreadPoolExecutor):
+        """`dtype`: the exact pairs' dtype (window, fetched buffer, slow tier)."""
+        super().__init__()
+        c, b, t = state.config, state.quantized_len.shape[0], state.capacity
+        self.state, self.config = state, c
+        scale_dtype = scale_dtype_for(dtype)
+        code_bytes = head_dim * c.bits // 8
+        n_value_groups = head_dim // value_group(c.group, head_dim)
+        k = min(c.topk, t)
+
+        def fast(name, *shape, dtype=dtype):
+            self.register_buffer(name, torch.zeros(*shape, dtype=dtype, device=device), persistent=False)
+
+        # Fast tier: the low-bit copy of every position...
+        fast("k_packed", b, n_kv_heads, t, code_bytes, dtype=torch.uint8)
+        fast("k_scale", b, n_kv_heads, t // c.group, head_dim, dtype=scale_dtype)
+        fast("k_zero", b, n_kv_heads, t // c.group, head_dim, dtype=scale_dtype)
+        fast("v_packed", b, n_kv_heads, t, code_bytes, dtype=torch.uint8)
+        fast("v_scale", b, n_kv_heads, t, n_value_groups, dtype=scale_dtype)
+        fast("v_zero", b, n_kv_heads, t, n_value_groups, dtype=scale_dtype)
+        # ... the 16-bit residual window: the newest R tokens and up to g more waiting for a group ...
+        fast("window_k", b, n_kv_heads, c.residual + c.group, head_dim)
+        fast("window_v", b, n_kv_heads, c.residual + c.group, head_dim)
+        # ... and the fetched 16-bit pairs of kappa_t, with kappa_{t+1} as this step chooses it.
+        fast("fetched_k", b, n_kv_heads, k, head_dim)
+        fast("fetched_v", b, n_kv_heads, k, head_dim)
+        fast("fetched_pos", b, n_kv_heads, k, dtype=torch.long)
+        fast("fetched_valid", b, n_kv_heads, k, dtype=torch.bool)
+        fast("kappa_pos", b, n_kv_heads, k, dtype=torch.long)
+        fast("kappa_valid", b, n_kv_heads, k, dtype=torch.bool)
+        fast("recall", 2, dtype=torch.long)  # [hits, pairs] of kappa_t against the real row's own top-k
+        # Slow tier: the complete 16-bit cache.
+        self.slow = SlowTier((b, n_kv_heads, t, head_dim), dtype, device)
+        self.fetcher = PairFetcher(self, executor)
+
+    # --- the low-bit copy ------------------------------------------------------------------
+
+    def lowbit(self) -> LowBitKV:
+        return LowBitKV(self.k_packed, self.k_scale, self.k_zero, self.v_packed, self.v_scale, self.v_zero,
+                        self.config.bits, self.config.group)
+
+    def _quantize_into(self, b: int, start: int, k: Tensor, v: Tensor) -> None:
+        """Quantize k, v (Hkv, N, D) of sequence b (N a multiple of g) into positions [start, start + N)."""
+        c, n = self.config, k.shape[1]
+        packed, scale, zero = quantize_keys(k, c.bits, c.group, self.k_scale.dtype)
+        self.k_packed[b, :, start: start + n] = packed
+        self.k_scale[b, :, start // c.group: (start + n) // c.group] = scale
+        self.k_zero[b, :, start // c.group: (start + n) // c.group] = zero
+        packed, scale, zero = quantize_values(v, c.bits, c.group, self.v_scale.dtype)
+        self.v_packed[b, :, start: start + n] = packed
+        self.v_scale[b, :, start: start + n] = scale
+        self.v_zero[b, :, start: start + n] = zero
+
+    def ingest_prompt(self, k: Tensor, v: Tensor) -> None:
+        """After prefill attention: quantize each prompt but its newest tokens, keep those in the
+        window, and send all of its 16-bit K, V to the slow tier."""
+        for b, (lq, r) in enumerate(zip(self.state.host_quantized_len, self.state.host_window_len)):
+            self._quantize_into(b, 0, k[b, :, :lq], v[b, :, :lq])
+            self.window_k[b, :, :r] = k[b, :, lq: lq + r]
+            self.window_v[b, :, :r] = v[b, :, lq: lq + r]
+            self.slow.write(b, 0, k[b, :, : lq + r], v[b, :, : lq + r])
+
+    def flush_window(self, b: int) -> None:
+        """Sequence b's window holds R + g tokens: quantize the oldest g, send their 16-bit pairs to
+        the slow tier, and slide the window down by g."""
+        start, g = self.state.host_quantized_len[b], self.config.group
+        oldest_k, oldest_v = self.window_k[b, :, :g].clone(), self.window_v[b, :, :g].clone()
+        self._quantize_into(b, start, oldest_k, oldest_v)
+        self.slow.write(b, start, oldest_k, oldest_v)  # copies: on a GPU this upload is asynchronous
+        self.window_k[b, :, :-g] = self.window_k[b, :, g:].clone()
+        self.window_v[b, :, :-g] = self.window_v[b, :, g:].clone()
+
+    # --- attention -------------------------------------------------------------------------
+
+    def select_kappa(self, weights: Tensor) -> tuple[Tensor, Tensor]:
+        """Top-k quantized positions by attention weight (B, Hkv, T), and which of them are real."""
+        quantized_len = self.state.quantized_len[:, None, None]
+        candidates = torch.arange(weights.shape[-1], device=weights.device) < quantized_len
+        positions = weights.masked_fill(~candidates, -1.0).topk(self.kappa_pos.shape[-1], dim=-1).indices
+        return positions, positions < quantized_len
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask) -> Tensor:
+        state = self.state
+        if state.prefilling:
+            y = attention(q, k, v, CAUSAL_PROMPT)
+            self.ingest_prompt(k, v)
+            return y
+        segments = Segments(state.quantized_len, self.fetched_k, self.fetched_v, self.fetched_pos,
+                            self.fetched_valid, self.window_k, self.window_v, state.window_len, k, v)
+        nothing_fetched = segments._replace(fetched_valid=torch.zeros_like(self.fetched_valid))
+        if self.config.topk == 0:  # KIVI alone
+            y, _ = mixed_attention(q, self.lowbit(), segments)
+        elif not self.config.speculative:
+            # The non-speculative baseline: score the real row against the low-bit copy, fetch its
+            # exact top-k, wait for it, and attend again.
+            _, weights = mixed_attention(q, self.lowbit(), nothing_fetched)
+            kappa_pos, kappa_valid = self.select_kappa(weights[:, :, 0])
+            self.kappa_pos.copy_(kappa_pos)
+            self.kappa_valid.copy_(kappa_valid)
+            if self.slow.k.device == self.fetched_k.device:
+                self.fetcher.fetch_now()  # on a CPU the fetch is a gather, part of the compiled graph
+            else:
+                _fetch_synchronously(self.fetcher)
+            y, _ = mixed_attention(q, self.lowbit(), segments)
+        else:
+            # Mixed precision with kappa_t; the last row (the speculative one, or T1 in the
+            # bootstrap step) chooses kappa_{t+1}, which the decode loop starts fetching.
+            y, weights = mixed_attention(q, self.lowbit(), segments)
+            kappa_pos, kappa_valid = self.select_kappa(weights[:, :, -1])
+            self.kappa_pos.copy_(kappa_pos)
+            self.kappa_valid.copy_(kappa_valid)
+            if self.config.stats and state.append:
+                self._count_recall(q, nothing_fetched)
+        if state.append:  # the real row's K, V join the window; the speculative row's are dropped
+            batch = torch.arange(k.shape[0], device=k.device)
+            self.window_k[batch, :, state.window_len] = k[:, :, 0].to(self.window_k.dtype)
+            self.window_v[batch, :, state.window_len] = v[:, :, 0].to(self.window_v.dtype)
+        return y
+
+    def _count_recall(self, q: Tensor, nothing_fetched: Segments) -> None:
+        """How many of kappa_t the real row's own low-bit top-k would also have picked."""
+        _, weights = mixed_attention(q[:, :, :1], self.lowbit(), nothing_fetched._replace(
+            new_k=nothing_fetched.new_k[:, :, :1], new_v=nothing_fetched.new_v[:, :, :1]))
+        own, own_valid = self.select_kappa(weights[:, :, 0])
+        hit = (self.fetched_pos.unsqueeze(-1) == own.unsqueeze(-2)) & own_valid.unsqueeze(-2)
+        hits = (hit.any(-1) & self.fetched_valid).sum()
+        self.recall.add_(torch.stack([hits, self.fetched_valid.sum()]))
+
+    # --- accounting ------------------------------------------------------------------------
+
+    def fast_tier_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for name, t in self.named_buffers() if name != "recall")
+
+
+def setup_specache(model: Transformer, batch_size: int, max_seq_length: int, config: SpeCacheConfig) -> SpeCacheState:
+    """Replace every layer's cache with a SpeCache holding `max_seq_length` positions per sequence."""
+    c = model.config
+    config.validate(c.head_dim)
+    capacity = -(-max_seq_length // config.group) * config.group
+    if config.topk > capacity:
+        warnings.warn(f"top-k {config.topk} exceeds the {capacity} positions the cache can hold; clamped to {capacity}")
+    device, dtype = model.output.weight.device, config.pair_dtype_for(model.output.weight.dtype)
+    state = SpeCacheState(config, batch_size, capacity, device)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specache-fetch")
+    for layer in model.layers:
+        layer.attention.kv_cache = SpeCacheLayer(state, c.n_local_heads, c.head_dim, dtype, device, executor)
+    model.setup_rope(capacity + 1)  # the speculative row can sit one past the last real position
+    model.max_batch_size, model.max_seq_length = batch_size, capacity
+    return state
+
+
+def specache_layers(model: Transformer) -> list[SpeCacheLayer]:
+    return [layer.attention.kv_cache for layer in model.layers]
+
+
+def run_layers(model: Transformer, tokens: Tensor, input_pos: Tensor, start_fetches: bool) -> Tensor:
+    """One forward pass of the new rows through every layer, with the fetch hand-offs between layers."""
+    x = model.tok_embeddings(tokens)
+    freqs_cis = model.freqs_cis[input_pos]
+    for layer in model.layers:
+        cache = layer.attention.kv_cache
+        cache.fetcher.wait()  # kappa_t's pairs have landed in this layer's fast tier
+        x = layer(x, input_pos, freqs_cis, None)
+        if start_fetches:
+            cache.fetcher.start()  # kappa_{t+1}'s pairs move while the later layers compute
+    return model.head(x)
+
+
+def advance(model: Transformer, state: SpeCacheState) -> None:
+    """After a step that kept the real rows: count them into the windows, and flush full windows."""
+    state.window_len += 1
+    state.host_window_len = [r + 1 for r in state.host_window_len]
+    full = state.sequences_to_flush()
+    for b in full:
+        for cache in specache_layers(model):
+            cache.flush_window(b)
+        state.host_quantized_len[b] += state.config.group
+        state.host_window_len[b] -= state.config.group
+    if full:
+        state._sync()
+
+
+def wait_for_fetches(model: Transformer) -> None:
+    for cache in specache_layers(model):
+        cache.fetcher.wait()
+
+
+@torch.no_grad()
+def specache_generate(model: Transformer, state: SpeCacheState, prompts: list[list[int]], max_new_tokens: int, *,
+                      stop_ids: frozenset = frozenset(), temperature: float = 0.0, top_k: Optional[int] = None,
+                      callback: Callable[[Tensor], None] = lambda tokens: None) -> "GenerationResult":
+    """generate.generate with SpeCache: prefill, the bootstrap step, then two-row decode steps.
+
+    Prefill and the bootstrap step run eagerly (once per generation; prefill quantizes each prompt
+    in Python); decode steps run whatever `compile_decode` compiled.
+    """
+    from generate import GenerationResult, cut_at_stop, prefill, sample, weight_bytes
+
+    config, device = state.config, state.quantized_len.device
+    lengths = [len(p) for p in prompts]
+    if max(lengths) + max_new_tokens > state.capacity:
+        raise ValueError(f"{max(lengths)} prompt + {max_new_tokens} new tokens exceed the SpeCache capacity "
+                         f"{state.capacity}; set it up with a larger max_seq_length")
+    sampling = dict(temperature=temperature, top_k=top_k)
+    tokens = torch.zeros(len(prompts), max(lengths), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p)
+    pos = torch.tensor(lengths, device=device).unsqueeze(1)
+
+    # Prefill: full precision, then each layer's K, V go low-bit + window, and to the slow tier.
+    t0 = time.perf_counter()
+    state.begin(lengths)
+    state.prefilling = True
+    with torch.compiler.set_stance("force_eager"):
+        real = prefill(model, tokens, pos[:, 0], **sampling)
+    state.prefilling = False
+    _sync(device)
+    prefill_seconds = time.perf_counter() - t0
+
+    speculate = config.speculative and config.topk > 0
+    if speculate:  # the bootstrap step: T1 picks kappa_1 and guesses T'2; its K, V are dropped
+        state.append = False
+        with torch.compiler.set_stance("force_eager"):
+            guess = run_layers(model, real, pos, start_fetches=True)[:, -1].argmax(-1, keepdim=True)
+        state.append = True
+
+    new_tokens, done = [real], torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    callback(real)
+    stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+    matches, steps, decode_bytes = 0, 0, 0
+    t0 = time.perf_counter()
+    for _ in range(max_new_tokens - 1):
+        done |= torch.isin(real[:, 0], stop)
+        if bool(done.all()):
+            break
+        if speculate:  # a decode step: [T_t, T'_{t+1}] at [p, p + 1]
+            logits = run_layers(model, torch.cat([real, guess], 1), torch.cat([pos, pos + 1], 1), start_fetches=True)
+            real, guess_was = sample(logits[:, :1], **sampling), guess
+            guess = logits[:, 1].argmax(-1, keepdim=True)
+            matches += int((guess_was == real).sum())
+        else:
+            real = sample(run_layers(model, real, pos, start_fetches=False), **sampling)
+        decode_bytes += step_bytes(model, state) + weight_bytes(model)
+        advance(model, state)
+        pos += 1
+        steps += 1
+        new_tokens.append(real)
+        callback(real)
+    wait_for_fetches(model)
+    _sync(device)
+    decode_seconds = time.perf_counter() - t0
+    result = GenerationResult(cut_at_stop(torch.cat(new_tokens, 1).tolist(), stop_ids), lengths,
+                              prefill_seconds, decode_seconds, steps, decode_bytes)
+    result.stats = cache_stats(model, state, matches / max(1, steps * len(prompts)) if speculate else None)
+    return result
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def step_bytes(model: Transformer, state: SpeCacheState) -> int:
+    """KV bytes one decode step reads: the low-bit copy up to each sequence's Lq, the window and
+    the fetched pairs (the slow tier is read only by the k-pair gathers, counted apart)."""
+    cache = specache_layers(model)[0]
+    per_position = sum(t[0, 0, 0].numel() * t.element_size() for t in (cache.k_packed, cache.v_packed, cache.v_scale,
+                                                                          cache.v_zero))
+    per_position += 2 * cache.k_scale[0, 0, 0].numel() * cache.k_scale.element_size() / state.config.group
+    pairs = cache.window_k.shape[2] + cache.fetched_k.shape[2]
+    per_pair = 2 * cache.window_k[0, 0, 0].numel() * cache.window_k.element_size()
+    heads = cache.k_packed.shape[1] * len(model.layers)
+    return int(heads * sum(lq * per_position + pairs * per_pair for lq in state.host_quantized_len))
+
+
+def cache_stats(model: Transformer, state: SpeCacheState, speculative_match_rate: Optional[float]) -> dict:
+    """Tier sizes, the ratio to a 16-bit cache of the same length, fetch volume, speculation quality."""
+    caches = specache_layers(model)
+    c, cfg = model.config, state.config
+    fast = sum(cache.fast_tier_bytes() for cache in caches)
+    slow = sum(cache.slow.nbytes() for cache in caches)
+    batch = state.quantized_len.shape[0]
+    full_16bit = 2 * 2 * c.n_layer * c.n_local_heads * c.head_dim * state.capacity * batch
+    pair_bytes = 2 * c.head_dim * caches[0].fetched_k.element_size()
+    stats = {
+        "cache": "specache" if cfg.topk and cfg.speculative else ("specache-nospec" if cfg.topk else "kivi"),
+        "bits": cfg.bits, "group": cfg.group, "residual": cfg.residual, "topk": caches[0].fetched_k.shape[2],
+        "capacity_tokens": state.capacity,
+        "fast_tier_bytes": fast,
+        "slow_tier_bytes": slow,
+        "fast_tier_ratio_to_16bit_cache": fast / full_16bit,
+        "bytes_fetched_per_token": pair_bytes * caches[0].fetched_k.shape[2] * c.n_local_heads * c.n_layer,
+        "speculative_match_rate": speculative_match_rate,
+    }
+    if cfg.stats:
+        hits, pairs = (sum(int(cache.recall[i]) for cache in caches) for i in range(2))
+        stats["recall_at_k"] = hits / pairs if pairs else None
+    return stats

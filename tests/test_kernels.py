@@ -1,0 +1,135 @@
+"""kernels/: quantization rules, bit packing, and each fast path against its plain-PyTorch reference."""
+import pytest
+import torch
+
+from kernels.attention import (LowBitKV, Segments, key_scores, key_scores_reference, mixed_attention,
+                               mixed_attention_reference, value_mix, value_mix_reference)
+from kernels.quant import (dequantize_keys, dequantize_values, pack_bits, quantize_groups, quantize_keys,
+                           quantize_values, unpack_bits)
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 7, 8, 9, 15, 16, 17, 64, 65, 127])
+def test_pack_unpack_is_bit_exact_at_every_length(bits, n):
+    codes = torch.randint(0, 1 << bits, (3, 2, n), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    packed = pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == (n * bits + 7) // 8
+    assert torch.equal(unpack_bits(packed, bits, n), codes)
+
+
+def test_pack_bits_layout_is_low_bits_first():
+    assert pack_bits(torch.tensor([1, 0, 0, 0, 0, 0, 0, 1], dtype=torch.uint8), 1).item() == 0b10000001
+    assert pack_bits(torch.tensor([3, 0, 1, 2], dtype=torch.uint8), 2).item() == 0b10010011
+
+
+def test_one_bit_levels_are_a_quarter_and_three_quarters_of_the_range():
+    x = torch.tensor([[-2.0, -1.0, 0.0, 0.999, 1.0, 3.0, 6.0]])  # min -2, max 6, range 8, midpoint 2
+    codes, scale, zero = quantize_groups(x, 1, -1, torch.float32)
+    levels = sorted(set((codes.float() * scale + zero).flatten().tolist()))
+    assert levels == [0.0, 4.0]  # min + range/4, min + 3*range/4
+    assert codes.tolist() == [[0, 0, 0, 0, 0, 1, 1]]  # x >= midpoint 2 -> 1, and the max is clamped to 1
+    codes, _, _ = quantize_groups(torch.tensor([[-2.0, 2.0, 6.0]]), 1, -1, torch.float32)
+    assert codes.tolist() == [[0, 1, 1]]  # exactly the midpoint rounds up
+
+
+def test_constant_groups_quantize_without_nan():
+    for bits in (1, 2):
+        codes, scale, zero = quantize_groups(torch.full((2, 8), 0.5), bits, -1, torch.float16)
+        assert torch.equal(codes.float() * scale.float() + zero.float(), torch.full((2, 8), 0.5))
+
+
+def test_two_bit_error_is_at_most_a_sixth_of_the_range():
+    x = torch.randn(64, 128) * torch.linspace(0.1, 10, 128)
+    codes, scale, zero = quantize_groups(x, 2, 0, torch.float16)
+    error = (codes.float() * scale.float() + zero.float() - x).abs()
+    value_range = x.amax(0) - x.amin(0)
+    # the bound holds for the stored fp16 scale; the fp16 rounding of scale and zero adds a hair
+    assert (error <= value_range / 6 * (1 + 2e-3) + 1e-3).all()
+    assert (codes <= 3).all()
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+def test_keys_are_grouped_over_tokens_per_channel_and_values_over_channels_per_token(bits):
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 3, 128, 64), torch.randn(2, 3, 128, 64)
+    packed, scale, zero = quantize_keys(k, bits, 32, torch.float16)
+    assert packed.shape == (2, 3, 128, 64 * bits // 8) and scale.shape == zero.shape == (2, 3, 4, 64)
+    codes, s, z = quantize_groups(k[:, :, 32:64], bits, 2, torch.float16)  # tokens 32..63, each channel
+    torch.testing.assert_close(dequantize_keys(packed, scale, zero, bits, 32)[:, :, 32:64],
+                               codes.float() * s.float() + z.float())
+    packed, scale, zero = quantize_values(v, bits, 32, torch.float16)
+    assert scale.shape == zero.shape == (2, 3, 128, 2)
+    codes, s, z = quantize_groups(v[..., 32:], bits, 3, torch.float16)  # channels 32..63, each token
+    torch.testing.assert_close(dequantize_values(packed, scale, zero, bits, 32)[..., 32:],
+                               codes.float() * s.float() + z.float())
+
+
+def lowbit_copy(bits, group, t=256, b=2, n_kv=3, d=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, n_kv, t, d, generator=g) * torch.linspace(0.2, 4, d)  # outlier channels, as real keys
+    v = torch.randn(b, n_kv, t, d, generator=g)
+    return LowBitKV(*quantize_keys(k, bits, group, torch.float16), *quantize_values(v, bits, group, torch.float16),
+                    bits, group), k, v
+
+
+@pytest.mark.parametrize("bits,group", [(1, 64), (2, 64), (1, 32), (2, 128)])
+def test_key_scores_and_value_mix_match_dequantize_then_matmul(bits, group):
+    kv, _, _ = lowbit_copy(bits, group)
+    q = torch.randn(2, 3, 6, 64)
+    torch.testing.assert_close(key_scores(q, kv), key_scores_reference(q, kv), rtol=1e-5, atol=1e-4)
+    p = torch.rand(2, 3, 6, 256).softmax(-1)
+    torch.testing.assert_close(value_mix(p, kv), value_mix_reference(p, kv), rtol=1e-5, atol=1e-5)
+
+
+def segments(kv, k, v, s, k_fetch=8, window=64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    b, n_kv, t, d = k.shape
+    quantized_len = torch.tensor([t, t - 64])[:b]
+    fetched_pos = torch.stack([torch.randperm(t, generator=g)[:k_fetch] for _ in range(b * n_kv)]).view(b, n_kv, -1)
+    fetched_valid = fetched_pos < quantized_len[:, None, None]
+    gather = lambda x: x.gather(2, fetched_pos.unsqueeze(-1).expand(-1, -1, -1, d))
+    return Segments(quantized_len, gather(k), gather(v), fetched_pos, fetched_valid,
+                    torch.randn(b, n_kv, window, d, generator=g), torch.randn(b, n_kv, window, d, generator=g),
+                    torch.tensor([5, 0])[:b], torch.randn(b, n_kv, s, d, generator=g),
+                    torch.randn(b, n_kv, s, d, generator=g))
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+@pytest.mark.parametrize("s", [1, 2])
+def test_mixed_attention_matches_reference(bits, s):
+    kv, k, v = lowbit_copy(bits, 64)
+    seg = segments(kv, k, v, s)
+    q = torch.randn(2, 9, s, 64)
+    out, weights = mixed_attention(q, kv, seg)
+    ref_out, ref_weights = mixed_attention_reference(q, kv, seg)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-4, atol=1e-6)
+    assert not weights[1, :, :, 256 - 64:].any(), "positions past Lq got weight"
+
+
+def test_compiled_mixed_attention_matches_reference():
+    kv, k, v = lowbit_copy(1, 64)
+    seg = segments(kv, k, v, 2)
+    q = torch.randn(2, 9, 2, 64)
+    out, weights = torch.compile(mixed_attention, fullgraph=True, dynamic=False)(q, kv, seg)
+    ref_out, ref_weights = mixed_attention_reference(q, kv, seg)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-4, atol=1e-6)
+
+
+def test_fetching_every_position_is_exact_attention():
+    """With every quantized position fetched in 16 bits, the low-bit copy no longer matters."""
+    kv, k, v = lowbit_copy(1, 64, b=1)
+    t = k.shape[2]
+    everything = torch.arange(t).view(1, 1, t).expand(1, 3, t)
+    seg = Segments(torch.tensor([t]), k, v, everything, torch.ones(1, 3, t, dtype=torch.bool),
+                   torch.zeros(1, 3, 64, 64), torch.zeros(1, 3, 64, 64), torch.tensor([0]),
+                   torch.randn(1, 3, 2, 64), torch.randn(1, 3, 2, 64))
+    q = torch.randn(1, 9, 2, 64)
+    out, _ = mixed_attention(q, kv, seg)
+    keys = torch.cat([k, seg.new_k], 2).repeat_interleave(3, 1)
+    values = torch.cat([v, seg.new_v], 2).repeat_interleave(3, 1)
+    mask = torch.ones(2, t + 2, dtype=torch.bool)
+    mask[0, -1] = False  # the real row does not see the speculative row
+    exact = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    torch.testing.assert_close(out, exact, rtol=1e-4, atol=1e-5)
