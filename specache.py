@@ -22,9 +22,9 @@ Algorithm (the paper's Appendix A; names as there):
   Decode step t. Rows [T_t, T'_{t+1}] attend in mixed precision: 16-bit pairs at the fetched
   positions kappa_t and in the window, the low-bit copy everywhere else (nothing is dropped). The
   real row does not see the speculative row's key. Per layer, the speculative row's weights give
-  kappa_{t+1}, and its fetch starts as soon as the layer is done. The real row's K, V join the
-  window (whose oldest group moves on to the low-bit copy and the slow tier once the window holds
-  R + g tokens); the speculative row's are dropped. Row 0's logits give T_{t+1} (any sampler), row 1's give T'_{t+2} (greedy).
+  kappa_{t+1}, and its fetch starts as soon as the layer is done. The real row's K, V go to the
+  slow tier and join the window (whose oldest group moves on to the low-bit copy once the window
+  holds R + g tokens); the speculative row's are dropped. Row 0's logits give T_{t+1} (any sampler), row 1's give T'_{t+2} (greedy).
   A wrong guess is never rolled back: it only makes the next fetch less apt.
 
 Choices the paper leaves open (ours), all configurable in `SpeCacheConfig`:
@@ -38,7 +38,9 @@ Choices the paper leaves open (ours), all configurable in `SpeCacheConfig`:
   whole group of tokens) and written to the slow tier. (KIVI's code instead quantizes its whole
   window when it reaches R, leaving 0..R-1 recent tokens in 16 bits; on SmolLM2 needle prompts
   that quantized most of the question and cost answers.) Positions in the window are 16-bit
-  already, so kappa is drawn from the quantized positions only.
+  already, so kappa is drawn from the quantized positions, plus, in the step before a flush, the
+  window group about to be quantized: kappa_{t+1} is chosen a step before it is used, and without
+  them those g positions would spend that step low-bit and unfetched.
 - With GQA, the weights are averaged over the query heads of a KV head before the top-k.
 - The speculative token is the greedy choice of row 1, whatever sampler row 0 uses.
 - Values are grouped over min(group, head_dim) channels.
@@ -49,7 +51,6 @@ token against the low-bit copy, fetches its exact top-k synchronously, then atte
 `topk=0` is KIVI alone (the low-bit copy and the window, nothing fetched).
 """
 import time
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -103,6 +104,7 @@ class SpeCacheState:
         self.config, self.capacity = config, capacity
         self.quantized_len = torch.zeros(batch_size, dtype=torch.long, device=device)  # Lq
         self.window_len = torch.zeros(batch_size, dtype=torch.long, device=device)  # r
+        self.selectable_len = torch.zeros(batch_size, dtype=torch.long, device=device)  # kappa is drawn from [0, this)
         self.host_quantized_len = [0] * batch_size
         self.host_window_len = [0] * batch_size
         self.prefilling = True  # prefill: full-precision attention, then ingest the prompt
@@ -119,6 +121,13 @@ class SpeCacheState:
     def _sync(self) -> None:
         self.quantized_len.copy_(torch.tensor(self.host_quantized_len))
         self.window_len.copy_(torch.tensor(self.host_window_len))
+        self.selectable_len.copy_(torch.tensor(self.host_selectable_len()))
+
+    def host_selectable_len(self) -> list[int]:
+        """Lq, or Lq + g when the next kept row fills the window and its oldest group gets quantized."""
+        full = self.config.residual + self.config.group
+        return [lq + (self.config.group if r + 1 == full else 0)
+                for lq, r in zip(self.host_quantized_len, self.host_window_len)]
 
     def sequences_to_flush(self) -> list[int]:
         return [b for b, r in enumerate(self.host_window_len) if r == self.config.residual + self.config.group]
@@ -137,7 +146,8 @@ class SlowTier:
         self.copy_stream = torch.cuda.Stream(fast_device) if pin else None
 
     def write(self, b: int, start: int, k: Tensor, v: Tensor) -> None:
-        """Store k, v (Hkv, N, D) of sequence b at positions [start, start + N)."""
+        """Store k, v (Hkv, N, D) of sequence b at positions [start, start + N). On a GPU the copy
+        is asynchronous, ordered before any later fetch on the same stream."""
         if self.copy_stream is None:
             self.k[b, :, start: start + k.shape[1]] = k
             self.v[b, :, start: start + v.shape[1]] = v
@@ -233,6 +243,15 @@ def _fetch_synchronously(fetcher: PairFetcher) -> None:
     fetcher.wait()
 
 
+def select_top_k(weights: Tensor, selectable_len: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """kappa: the k positions below selectable_len (B,) with the most attention weight (B, Hkv, T),
+    per sequence and KV head, and which of them are real (a short sequence has fewer than k)."""
+    selectable_len = selectable_len[:, None, None]
+    candidates = torch.arange(weights.shape[-1], device=weights.device) < selectable_len
+    positions = weights.masked_fill(~candidates, -1.0).topk(k, dim=-1).indices
+    return positions, positions < selectable_len
+
+
 class SpeCacheLayer(nn.Module):
     """One layer's SpeCache, plugged in as `Attention.kv_cache` (see model.py)."""
 
@@ -299,24 +318,24 @@ class SpeCacheLayer(nn.Module):
             self.window_v[b, :, :r] = v[b, :, lq: lq + r]
             self.slow.write(b, 0, k[b, :, : lq + r], v[b, :, : lq + r])
 
+    def store_new_pairs(self) -> None:
+        """After a step that kept the real row: send its 16-bit pair (the window's newest slot) to
+        the slow tier, outside the compiled graph (on a GPU the slow tier is host memory)."""
+        for b, (lq, r) in enumerate(zip(self.state.host_quantized_len, self.state.host_window_len)):
+            self.slow.write(b, lq + r, self.window_k[b, :, r: r + 1].clone(), self.window_v[b, :, r: r + 1].clone())
+
     def flush_window(self, b: int) -> None:
-        """Sequence b's window holds R + g tokens: quantize the oldest g, send their 16-bit pairs to
-        the slow tier, and slide the window down by g."""
+        """Sequence b's window holds R + g tokens: quantize the oldest g (their 16-bit pairs are in
+        the slow tier already) and slide the window down by g."""
         start, g = self.state.host_quantized_len[b], self.config.group
-        oldest_k, oldest_v = self.window_k[b, :, :g].clone(), self.window_v[b, :, :g].clone()
-        self._quantize_into(b, start, oldest_k, oldest_v)
-        self.slow.write(b, start, oldest_k, oldest_v)  # copies: on a GPU this upload is asynchronous
+        self._quantize_into(b, start, self.window_k[b, :, :g], self.window_v[b, :, :g])
         self.window_k[b, :, :-g] = self.window_k[b, :, g:].clone()
         self.window_v[b, :, :-g] = self.window_v[b, :, g:].clone()
 
     # --- attention -------------------------------------------------------------------------
 
-    def select_kappa(self, weights: Tensor) -> tuple[Tensor, Tensor]:
-        """Top-k quantized positions by attention weight (B, Hkv, T), and which of them are real."""
-        quantized_len = self.state.quantized_len[:, None, None]
-        candidates = torch.arange(weights.shape[-1], device=weights.device) < quantized_len
-        positions = weights.masked_fill(~candidates, -1.0).topk(self.kappa_pos.shape[-1], dim=-1).indices
-        return positions, positions < quantized_len
+    def select_kappa(self, weights: Tensor, selectable_len: Tensor) -> tuple[Tensor, Tensor]:
+        return select_top_k(weights, selectable_len, self.kappa_pos.shape[-1])
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask) -> Tensor:
         state = self.state
@@ -333,7 +352,7 @@ class SpeCacheLayer(nn.Module):
             # The non-speculative baseline: score the real row against the low-bit copy, fetch its
             # exact top-k, wait for it, and attend again.
             _, weights = mixed_attention(q, self.lowbit(), nothing_fetched)
-            kappa_pos, kappa_valid = self.select_kappa(weights[:, :, 0])
+            kappa_pos, kappa_valid = self.select_kappa(weights[:, :, 0], state.quantized_len)
             self.kappa_pos.copy_(kappa_pos)
             self.kappa_valid.copy_(kappa_valid)
             if self.slow.k.device == self.fetched_k.device:
@@ -345,7 +364,7 @@ class SpeCacheLayer(nn.Module):
             # Mixed precision with kappa_t; the last row (the speculative one, or T1 in the
             # bootstrap step) chooses kappa_{t+1}, which the decode loop starts fetching.
             y, weights = mixed_attention(q, self.lowbit(), segments)
-            kappa_pos, kappa_valid = self.select_kappa(weights[:, :, -1])
+            kappa_pos, kappa_valid = self.select_kappa(weights[:, :, -1], state.selectable_len)
             self.kappa_pos.copy_(kappa_pos)
             self.kappa_valid.copy_(kappa_valid)
             if self.config.stats and state.append:
@@ -360,7 +379,7 @@ class SpeCacheLayer(nn.Module):
         """How many of kappa_t the real row's own low-bit top-k would also have picked."""
         _, weights = mixed_attention(q[:, :, :1], self.lowbit(), nothing_fetched._replace(
             new_k=nothing_fetched.new_k[:, :, :1], new_v=nothing_fetched.new_v[:, :, :1]))
-        own, own_valid = self.select_kappa(weights[:, :, 0])
+        own, own_valid = self.select_kappa(weights[:, :, 0], self.state.quantized_len)
         hit = (self.fetched_pos.unsqueeze(-1) == own.unsqueeze(-2)) & own_valid.unsqueeze(-2)
         hits = (hit.any(-1) & self.fetched_valid).sum()
         self.recall.add_(torch.stack([hits, self.fetched_valid.sum()]))
@@ -372,12 +391,11 @@ class SpeCacheLayer(nn.Module):
 
 
 def setup_specache(model: Transformer, batch_size: int, max_seq_length: int, config: SpeCacheConfig) -> SpeCacheState:
-    """Replace every layer's cache with a SpeCache holding `max_seq_length` positions per sequence."""
+    """Replace every layer's cache with a SpeCache holding `max_seq_length` positions per sequence
+    (rounded up to a whole group). A top-k above that capacity is clamped to it."""
     c = model.config
     config.validate(c.head_dim)
     capacity = -(-max_seq_length // config.group) * config.group
-    if config.topk > capacity:
-        warnings.warn(f"top-k {config.topk} exceeds the {capacity} positions the cache can hold; clamped to {capacity}")
     device, dtype = model.output.weight.device, config.pair_dtype_for(model.output.weight.dtype)
     state = SpeCacheState(config, batch_size, capacity, device)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specache-fetch")
@@ -392,14 +410,18 @@ def specache_layers(model: Transformer) -> list[SpeCacheLayer]:
     return [layer.attention.kv_cache for layer in model.layers]
 
 
+@torch.no_grad()
 def run_layers(model: Transformer, tokens: Tensor, input_pos: Tensor, start_fetches: bool) -> Tensor:
     """One forward pass of the new rows through every layer, with the fetch hand-offs between layers."""
     x = model.tok_embeddings(tokens)
     freqs_cis = model.freqs_cis[input_pos]
+    state = specache_layers(model)[0].state
     for layer in model.layers:
         cache = layer.attention.kv_cache
         cache.fetcher.wait()  # kappa_t's pairs have landed in this layer's fast tier
         x = layer(x, input_pos, freqs_cis, None)
+        if state.append:
+            cache.store_new_pairs()  # the real row's 16-bit pair goes to the slow tier
         if start_fetches:
             cache.fetcher.start()  # kappa_{t+1}'s pairs move while the later layers compute
     return model.head(x)
@@ -407,6 +429,7 @@ def run_layers(model: Transformer, tokens: Tensor, input_pos: Tensor, start_fetc
 
 def advance(model: Transformer, state: SpeCacheState) -> None:
     """After a step that kept the real rows: count them into the windows, and flush full windows."""
+    selectable = state.host_selectable_len()
     state.window_len += 1
     state.host_window_len = [r + 1 for r in state.host_window_len]
     full = state.sequences_to_flush()
@@ -415,8 +438,13 @@ def advance(model: Transformer, state: SpeCacheState) -> None:
             cache.flush_window(b)
         state.host_quantized_len[b] += state.config.group
         state.host_window_len[b] -= state.config.group
-    if full:
+    if full or state.host_selectable_len() != selectable:
         state._sync()
+
+
+def greedy_guess(logits: Tensor) -> Tensor:
+    """The paper's speculative token: the greedy choice of the speculative row."""
+    return logits.argmax(-1, keepdim=True)
 
 
 def wait_for_fetches(model: Transformer) -> None:
@@ -427,11 +455,13 @@ def wait_for_fetches(model: Transformer) -> None:
 @torch.no_grad()
 def specache_generate(model: Transformer, state: SpeCacheState, prompts: list[list[int]], max_new_tokens: int, *,
                       stop_ids: frozenset = frozenset(), temperature: float = 0.0, top_k: Optional[int] = None,
-                      callback: Callable[[Tensor], None] = lambda tokens: None) -> "GenerationResult":
+                      callback: Callable[[Tensor], None] = lambda tokens: None,
+                      guess_next: Callable[[Tensor], Tensor] = greedy_guess) -> "GenerationResult":
     """generate.generate with SpeCache: prefill, the bootstrap step, then two-row decode steps.
 
     Prefill and the bootstrap step run eagerly (once per generation; prefill quantizes each prompt
-    in Python); decode steps run whatever `compile_decode` compiled.
+    in Python); decode steps run whatever `compile_decode` compiled. `guess_next` turns the last
+    row's logits (B, V) into the next speculative token (B, 1): the seam for better guesses.
     """
     from generate import GenerationResult, cut_at_stop, prefill, sample, weight_bytes
 
@@ -460,7 +490,7 @@ def specache_generate(model: Transformer, state: SpeCacheState, prompts: list[li
     if speculate:  # the bootstrap step: T1 picks kappa_1 and guesses T'2; its K, V are dropped
         state.append = False
         with torch.compiler.set_stance("force_eager"):
-            guess = run_layers(model, real, pos, start_fetches=True)[:, -1].argmax(-1, keepdim=True)
+            guess = guess_next(run_layers(model, real, pos, start_fetches=True)[:, -1])
         state.append = True
 
     new_tokens, done = [real], torch.zeros(len(prompts), dtype=torch.bool, device=device)
@@ -475,7 +505,7 @@ def specache_generate(model: Transformer, state: SpeCacheState, prompts: list[li
         if speculate:  # a decode step: [T_t, T'_{t+1}] at [p, p + 1]
             logits = run_layers(model, torch.cat([real, guess], 1), torch.cat([pos, pos + 1], 1), start_fetches=True)
             real, guess_was = sample(logits[:, :1], **sampling), guess
-            guess = logits[:, 1].argmax(-1, keepdim=True)
+            guess = guess_next(logits[:, 1])
             matches += int((guess_was == real).sum())
         else:
             real = sample(run_layers(model, real, pos, start_fetches=False), **sampling)

@@ -129,3 +129,38 @@ def test_generation_stops_at_max_seq_length_with_a_note(capsys, smollm2_checkpoi
     room = 10 - result["prompt_tokens"][0]
     assert f"leaves room for {room} new tokens" in err
     assert result["new_tokens"] == [room]
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--specache", "--specache_bits", "3"], "bits must be 1 or 2"),
+    (["--specache", "--specache_group", "48"], "multiple of the group size"),
+    (["--specache", "--specache_topk", "-1"], "top-k must be >= 0"),
+    (["--cache", "turbo"], "unknown --cache"),
+    (["--specache", "--cache", "kivi"], "contradicts"),
+])
+def test_bad_specache_settings(capsys, argv, fragment):
+    code, _, err = run_cli(capsys, *argv, "--max_new_tokens", "2")
+    assert_one_line_error(code, err, fragment)
+
+
+def test_top_k_beyond_the_context_is_clamped_with_a_note(capsys, smollm2_checkpoint):
+    code, out, err = run_cli(capsys, "--specache", "--specache_topk", "500", "--prompt", "Hello there",
+                             "--max_new_tokens", "3", "--temperature", "0", "--json")
+    assert code == 0, err
+    assert "clamped to 64" in err and "Traceback" not in err
+    assert json.loads(out)["topk"] == 64
+
+
+def test_specache_refuses_head_dims_that_do_not_fill_bytes(capsys, smollm2_checkpoint, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=80, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)  # head_dim 20: 20 bits, 40 bits
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    convert_hf_checkpoint(tmp_path)
+    shutil.copy(smollm2_checkpoint.parent / "tokenizer.json", tmp_path)
+    code, _, err = run_cli(capsys, "--checkpoint", str(tmp_path), "--specache", "--max_new_tokens", "2")
+    assert_one_line_error(code, err, "head_dim is 20")
+    code, _, err = run_cli(capsys, "--checkpoint", str(tmp_path), "--specache", "--specache_bits", "2",
+                           "--specache_group", "20", "--specache_residual", "40", "--max_new_tokens", "2")
+    assert code == 0, err

@@ -84,7 +84,7 @@ def test_key_scores_and_value_mix_match_dequantize_then_matmul(bits, group):
 def segments(kv, k, v, s, k_fetch=8, window=64, seed=1):
     g = torch.Generator().manual_seed(seed)
     b, n_kv, t, d = k.shape
-    quantized_len = torch.tensor([t, t - 64])[:b]
+    quantized_len = torch.tensor([t - window, t - 2 * window])[:b]  # the window's positions follow Lq
     fetched_pos = torch.stack([torch.randperm(t, generator=g)[:k_fetch] for _ in range(b * n_kv)]).view(b, n_kv, -1)
     fetched_valid = fetched_pos < quantized_len[:, None, None]
     gather = lambda x: x.gather(2, fetched_pos.unsqueeze(-1).expand(-1, -1, -1, d))

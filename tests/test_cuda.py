@@ -1,0 +1,82 @@
+"""The CUDA path: pinned slow tier, side-stream fetches with events. Skipped without a GPU;
+scripts/gpu_check.sh runs these on a GPU machine."""
+import pytest
+import torch
+
+import specache
+from conftest import tiny_model
+from generate import compile_decode, generate
+from kernels.attention import mixed_attention, mixed_attention_reference
+from specache import SpeCacheConfig, setup_specache, specache_generate
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+SMALL = dict(group=16, residual=16)
+
+
+def prompts_of(*lengths):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 97, (n,), generator=g).tolist() for n in lengths]
+
+
+def run(model, prompts, config, new_tokens=30):
+    state = setup_specache(model, len(prompts), max(map(len, prompts)) + new_tokens, config)
+    return specache_generate(model, state, prompts, new_tokens, temperature=0)
+
+
+def test_mixed_attention_on_cuda_matches_the_cpu_reference():
+    from test_kernels import lowbit_copy, segments
+
+    kv, k, v = lowbit_copy(1, 64)
+    seg = segments(kv, k, v, 2)
+    q = torch.randn(2, 9, 2, 64)
+    to_cuda = lambda x: x.cuda() if isinstance(x, torch.Tensor) else x
+    out, weights = mixed_attention(q.cuda(), type(kv)(*map(to_cuda, kv)), type(seg)(*map(to_cuda, seg)))
+    ref_out, ref_weights = mixed_attention_reference(q, kv, seg)
+    torch.testing.assert_close(out.cpu(), ref_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(weights.cpu(), ref_weights, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache", ["specache", "specache-nospec", "kivi"])
+def test_specache_on_cuda_generates_what_it_generates_on_cpu(cache):
+    config = SpeCacheConfig(topk=0 if cache == "kivi" else 8, speculative=cache == "specache", **SMALL)
+    prompts = prompts_of(50, 83)
+    on_cpu = run(tiny_model(), prompts, config)
+    model = tiny_model().cuda()
+    on_gpu = run(model, prompts, config)
+    layer = specache.specache_layers(model)[0]
+    assert layer.slow.k.device.type == "cpu" and layer.slow.k.is_pinned()
+    assert layer.fetched_k.device.type == "cuda" and layer.k_packed.device.type == "cuda"
+    assert on_gpu.tokens == on_cpu.tokens
+
+
+def test_fetching_everything_on_cuda_reproduces_the_full_cache():
+    model = tiny_model().cuda()
+    prompts = prompts_of(45, 83)
+    model.setup_caches(2, 83 + 40)
+    full = generate(model, prompts, 40, temperature=0)
+    config = SpeCacheConfig(topk=256, pair_dtype=torch.float32, **SMALL)
+    assert run(model, prompts, config, 40).tokens == full.tokens
+
+
+@pytest.mark.parametrize("cache", ["specache", "specache-nospec"])
+def test_compiled_cuda_decode_matches_eager(cache):
+    config = SpeCacheConfig(topk=8, speculative=cache == "specache", **SMALL)
+    model = tiny_model().cuda()
+    prompts = prompts_of(50, 71)
+    eager = run(model, prompts, config)
+    torch._dynamo.reset()
+    compile_decode(model, fullgraph=cache == "specache")  # the synchronous baseline breaks the graph on a GPU
+    assert run(model, prompts, config).tokens == eager.tokens
+    torch._dynamo.reset()
+
+
+def test_full_cache_flex_decode_on_cuda_matches_cpu():
+    prompts = prompts_of(40, 200)
+    cpu_model = tiny_model()
+    cpu_model.setup_caches(2, 300)
+    expected = generate(cpu_model, prompts, 40, temperature=0).tokens
+    model = tiny_model().cuda()
+    model.setup_caches(2, 300)
+    compile_decode(model)
+    assert generate(model, prompts, 40, temperature=0, use_flex=True).tokens == expected
+    torch._dynamo.reset()
