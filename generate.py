@@ -82,7 +82,10 @@ def compile_decode(model: Transformer, fullgraph: bool = True) -> None:
     All blocks share one compiled graph (their weights are graph inputs), so compiling takes
     seconds rather than minutes, and the Python loop between blocks is where SpeCache hands
     fetches to and from the background; the position is a tensor, so nothing recompiles as it moves.
+    Each cache kind, row count and capacity is a graph of its own, so a process that compares
+    several (the benchmarks) needs more than dynamo's default of 8 per function.
     """
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for layer in model.layers:
         layer.compile(fullgraph=fullgraph, dynamic=False)
     model.norm.compile(fullgraph=True, dynamic=False)
