@@ -10,6 +10,7 @@ format where `<|start_header_id|>` exists, else Llama-2's `[INST]`. They wrap on
 way each model's own chat template does (SmolLM2 and Qwen2.5 add their default system prompt).
 """
 import json
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -23,7 +24,7 @@ DEFAULT_SYSTEM_PROMPTS = {
 }
 
 
-class Tokenizer:
+class Tokenizer(ABC):
     """encode/decode, the ids that stop generation, and the chat format of one model."""
 
     vocab_size: int
@@ -36,18 +37,20 @@ class Tokenizer:
         self.default_system = next((text for family, text in DEFAULT_SYSTEM_PROMPTS.items()
                                     if family in checkpoint_dir.name.lower()), None)
 
+    @abstractmethod
     def encode(self, text: str, bos: bool = True) -> list[int]:
         """Token ids of `text`; special tokens written in the text are recognised.
 
         `bos` adds the model's begin-of-sequence token where the model uses one.
         """
-        raise NotImplementedError
 
+    @abstractmethod
     def decode(self, ids: Iterable[int]) -> str:
-        raise NotImplementedError
+        """The text of `ids`, special tokens included."""
 
+    @abstractmethod
     def token_to_id(self, token: str) -> Optional[int]:
-        raise NotImplementedError
+        """The id of a (special) token, or None if the vocabulary lacks it."""
 
     @property
     def chat_format(self) -> str:

