@@ -76,6 +76,15 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, causa
     return sample(logits, **sampling)
 
 
+def pad_prompts(prompts: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    """A ragged batch as right-padded tokens (B, S) and each prompt's length (B,)."""
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    tokens = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p)
+    return tokens, lengths
+
+
 def compile_decode(model: Transformer, fullgraph: bool = True) -> None:
     """Compile each transformer block and the output head for decode steps.
 
@@ -141,10 +150,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     the batch runs until all are done. The caches must be set up for len(prompts) sequences.
     """
     device = model.output.weight.device
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    tokens = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = torch.tensor(p)
+    tokens, lengths = pad_prompts(prompts, device)
     sampling = dict(temperature=temperature, top_k=top_k)
 
     _sync(device)

@@ -325,8 +325,8 @@ class Transformer(nn.Module):
     def make_mask(self, input_pos: Tensor, causal_block_mask: Optional["BlockMask"] = None) -> Mask:
         """The attention mask for queries at `input_pos` (B, S) over the whole cache.
 
-        With the generation's causal BlockMask it is a FlexAttention mask; without, a boolean
-        mask for SDPA. Uncompiled FlexAttention materialises the whole score matrix (torch warns
+        With the generation's causal BlockMask it is a FlexAttention mask; without, CAUSAL_PROMPT
+        for a prompt from position 0, else a boolean mask for SDPA. Uncompiled FlexAttention materialises the whole score matrix (torch warns
         about it), so eager code runs SDPA and compiled code runs FlexAttention.
         """
         if causal_block_mask is not None:

@@ -463,7 +463,7 @@ def specache_generate(model: Transformer, state: SpeCacheState, prompts: list[li
     in Python); decode steps run whatever `compile_decode` compiled. `guess_next` turns the last
     row's logits (B, V) into the next speculative token (B, 1): the seam for better guesses.
     """
-    from generate import GenerationResult, cut_at_stop, prefill, sample, weight_bytes
+    from generate import GenerationResult, cut_at_stop, pad_prompts, prefill, sample, weight_bytes
 
     config, device = state.config, state.quantized_len.device
     lengths = [len(p) for p in prompts]
@@ -471,17 +471,15 @@ def specache_generate(model: Transformer, state: SpeCacheState, prompts: list[li
         raise ValueError(f"{max(lengths)} prompt + {max_new_tokens} new tokens exceed the SpeCache capacity "
                          f"{state.capacity}; set it up with a larger max_seq_length")
     sampling = dict(temperature=temperature, top_k=top_k)
-    tokens = torch.zeros(len(prompts), max(lengths), dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = torch.tensor(p)
-    pos = torch.tensor(lengths, device=device).unsqueeze(1)
+    tokens, prompt_lengths = pad_prompts(prompts, device)
+    pos = prompt_lengths.unsqueeze(1).clone()
 
     # Prefill: full precision, then each layer's K, V go low-bit + window, and to the slow tier.
     t0 = time.perf_counter()
     state.begin(lengths)
     state.prefilling = True
     with torch.compiler.set_stance("force_eager"):
-        real = prefill(model, tokens, pos[:, 0], **sampling)
+        real = prefill(model, tokens, prompt_lengths, **sampling)
     state.prefilling = False
     _sync(device)
     prefill_seconds = time.perf_counter() - t0
@@ -497,6 +495,7 @@ def specache_generate(model: Transformer, state: SpeCacheState, prompts: list[li
     callback(real)
     stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
     matches, steps, decode_bytes = 0, 0, 0
+    per_step_weights = weight_bytes(model)
     t0 = time.perf_counter()
     for _ in range(max_new_tokens - 1):
         done |= torch.isin(real[:, 0], stop)
@@ -509,7 +508,7 @@ def specache_generate(model: Transformer, state: SpeCacheState, prompts: list[li
             matches += int((guess_was == real).sum())
         else:
             real = sample(run_layers(model, real, pos, start_fetches=False), **sampling)
-        decode_bytes += step_bytes(model, state) + weight_bytes(model)
+        decode_bytes += step_bytes(model, state) + per_step_weights
         advance(model, state)
         pos += 1
         steps += 1
