@@ -143,11 +143,14 @@ def _sync(device: torch.device) -> None:
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, *,
              stop_ids: frozenset = frozenset(), temperature: float = 0.0, top_k: Optional[int] = None,
              compile_prefill: bool = False, use_flex: bool = False,
-             callback: Callable[[Tensor], None] = lambda tokens: None) -> GenerationResult:
+             callback: Callable[[Tensor], None] = lambda tokens: None,
+             first_token: Optional[Tensor] = None) -> GenerationResult:
     """Generate up to `max_new_tokens` for each prompt (a ragged batch), with the full KV cache.
 
     `callback` receives each step's new tokens (B, 1). Sequences that emit a stop id are done;
     the batch runs until all are done. The caches must be set up for len(prompts) sequences.
+    With `first_token` (B, 1), the caches already hold the prompts (a prefill shared by several
+    caches, see scripts/harness.py) and decoding starts from it.
     """
     device = model.output.weight.device
     tokens, lengths = pad_prompts(prompts, device)
@@ -155,7 +158,9 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
 
     _sync(device)
     t0 = time.perf_counter()
-    if compile_prefill:
+    if first_token is not None:
+        next_token = first_token
+    elif compile_prefill:
         next_token = torch.compile(prefill, fullgraph=True, dynamic=True)(model, tokens, lengths, **sampling)
     else:
         with torch.compiler.set_stance("force_eager"):
@@ -340,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("KV cache", "see specache.py and the README's SpeCache section")
     g.add_argument("--cache", default=None,
                    help="full (16-bit cache, default), specache, specache-nospec (fetch synchronously, no "
-                        "speculative token) or kivi (the low-bit copy alone, nothing fetched)")
+                        "speculative token), kivi (the low-bit copy alone, nothing fetched), or the eviction "
+                        "baselines streaming (StreamingLLM: sinks + newest) and h2o (heavy hitters + newest)")
     g.add_argument("--specache", action="store_true", help="same as --cache specache")
     g.add_argument("--specache_bits", type=int, default=1, help="bits of the low-bit KV copy: 1 or 2 (default 1)")
     g.add_argument("--specache_group", type=int, default=64,
@@ -351,10 +357,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="k: 16-bit pairs fetched per layer and KV head each step (default 64)")
     g.add_argument("--specache_stats", action="store_true",
                    help="also measure recall@k of the prefetched pairs (an extra scoring pass per layer)")
+    g.add_argument("--budget_tokens", type=int, default=None,
+                   help="streaming/h2o: tokens kept per layer and KV head (default: as many as fit in the fast-tier "
+                        "bytes SpeCache would use with the --specache_* settings at this length; see eviction.py)")
+    g.add_argument("--sink_tokens", type=int, default=4, help="streaming: attention-sink tokens kept (default 4)")
     return p
 
 
-CACHES = ("full", "specache", "specache-nospec", "kivi")
+CACHES = ("full", "specache", "specache-nospec", "kivi", "streaming", "h2o")
+EVICTION_CACHES = ("streaming", "h2o")
 
 
 def validate_args(args: argparse.Namespace) -> None:
@@ -377,6 +388,8 @@ def validate_args(args: argparse.Namespace) -> None:
     args.cache = args.cache or "full"
     if args.cache not in CACHES:
         raise UserError(f"unknown --cache {args.cache!r}: use one of {', '.join(CACHES)}")
+    if args.budget_tokens is not None and args.cache not in EVICTION_CACHES:
+        raise UserError(f"--budget_tokens applies to --cache streaming or h2o, not {args.cache}")
 
 
 def specache_config(args: argparse.Namespace):
@@ -387,7 +400,18 @@ def specache_config(args: argparse.Namespace):
                           speculative=args.cache == "specache", stats=args.specache_stats)
 
 
-def specache_summary(stats: dict) -> str:
+def eviction_config(args: argparse.Namespace, model: Transformer, max_seq_length: int):
+    from eviction import EvictionConfig, equal_budget_tokens
+
+    budget = args.budget_tokens or equal_budget_tokens(model, max_seq_length, specache_config(args))
+    return EvictionConfig(args.cache, budget, args.sink_tokens)
+
+
+def cache_summary(stats: dict) -> str:
+    if stats["cache"] in EVICTION_CACHES:
+        return (f"{stats['cache']}: {stats['budget_tokens']} tokens kept per layer and KV head, fast tier "
+                f"{stats['fast_tier_bytes'] / 1e6:.1f} MB ({stats['fast_tier_ratio_to_16bit_cache']:.3f}x a 16-bit "
+                "cache); evicted tokens are gone")
     line = (f"{stats['cache']} {stats['bits']}-bit: fast tier {stats['fast_tier_bytes'] / 1e6:.1f} MB "
             f"({stats['fast_tier_ratio_to_16bit_cache']:.3f}x a 16-bit cache), slow tier "
             f"{stats['slow_tier_bytes'] / 1e6:.1f} MB, {stats['bytes_fetched_per_token'] / 1e3:.0f} kB fetched per token")
@@ -447,10 +471,15 @@ def run(args: argparse.Namespace) -> None:
     if max_seq_length > model.config.block_size:
         log(f"Warning: {max_seq_length} positions exceed the model's trained context of "
             f"{model.config.block_size}; quality may drop past it")
-    state = None
+    state = eviction_state = None
     try:
         if args.cache == "full":
             model.setup_caches(max_batch_size=len(prompts), max_seq_length=max_seq_length)
+        elif args.cache in EVICTION_CACHES:
+            from eviction import setup_eviction
+
+            eviction_state = setup_eviction(model, len(prompts), max_seq_length,
+                                            eviction_config(args, model, max_seq_length))
         else:
             from specache import setup_specache
 
@@ -460,10 +489,10 @@ def run(args: argparse.Namespace) -> None:
     if state is not None and args.specache_topk > state.capacity and args.cache != "kivi":
         log(f"Note: --specache_topk {args.specache_topk} exceeds the {state.capacity} positions this run holds; "
             f"clamped to {state.capacity}, so every position is fetched")
-    if state is not None and args.compile_prefill:
-        log("Note: --compile_prefill is ignored with SpeCache (its prefill quantizes each prompt in Python)")
+    if args.cache != "full" and args.compile_prefill:
+        log(f"Note: --compile_prefill is ignored with --cache {args.cache} (its prefill picks what to keep in Python)")
 
-    use_flex = args.compile and flex_attention_available(device) and state is None
+    use_flex = args.compile and flex_attention_available(device) and args.cache == "full"
     if args.compile:
         # the non-speculative baseline waits for its fetch inside the layer: on a GPU that splits the graph
         compile_decode(model, fullgraph=not (args.cache == "specache-nospec" and device.type == "cuda"))
@@ -479,7 +508,11 @@ def run(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         sampling = dict(stop_ids=frozenset(tokenizer.stop_ids), temperature=args.temperature, top_k=args.top_k,
                         callback=callback)
-        if state is None:
+        if eviction_state is not None:
+            from eviction import eviction_generate
+
+            result = eviction_generate(model, eviction_state, prompts, max_new_tokens, **sampling)
+        elif state is None:
             result = generate(model, prompts, max_new_tokens, compile_prefill=args.compile_prefill,
                               use_flex=use_flex, **sampling)
         else:
@@ -500,7 +533,7 @@ def run(args: argparse.Namespace) -> None:
             f"{result.decode_tokens_per_second:.1f} tok/s (x{len(prompts)} sequences), "
             f"{result.decode_gbps:.1f} GB/s")
         if result.stats:
-            log(specache_summary(result.stats))
+            log(cache_summary(result.stats))
     peak = peak_memory_bytes(device)
     log(f"Peak memory: {peak / 1e9:.2f} GB")
     if args.json:

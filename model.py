@@ -254,6 +254,11 @@ class KVCache(nn.Module):
         self.v_cache[batch, :, input_pos] = v.transpose(1, 2)
         return self.k_cache[: k.shape[0]], self.v_cache[: k.shape[0]]
 
+    def ingest_prompt(self, k: Tensor, v: Tensor) -> None:
+        """Hold prompts' k, v (B, Hkv, S, D) computed by a prefill elsewhere."""
+        self.k_cache[: k.shape[0], :, : k.shape[2]] = k
+        self.v_cache[: v.shape[0], :, : v.shape[2]] = v
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask: Mask) -> Tensor:
         k_all, v_all = self.update(input_pos, k, v)
         return attention(q, k_all, v_all, mask)

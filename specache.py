@@ -72,6 +72,7 @@ class SpeCacheConfig:
     topk: int = 64  # k: 16-bit pairs fetched per layer and KV head each step; 0 = KIVI alone
     speculative: bool = True  # False: the paper's non-speculative baseline
     stats: bool = False  # also measure recall@k of kappa (an extra scoring pass per layer)
+    overlap_fetch: bool = True  # False: wait for each fetch as soon as it starts (to measure what overlap buys)
     pair_dtype: Optional[torch.dtype] = None  # the exact pairs' dtype; None: 16-bit (see above)
 
     def pair_dtype_for(self, model_dtype: torch.dtype) -> torch.dtype:
@@ -424,6 +425,8 @@ def run_layers(model: Transformer, tokens: Tensor, input_pos: Tensor, start_fetc
             cache.store_new_pairs()  # the real row's 16-bit pair goes to the slow tier
         if start_fetches:
             cache.fetcher.start()  # kappa_{t+1}'s pairs move while the later layers compute
+            if not state.config.overlap_fetch:
+                cache.fetcher.wait()
     return model.head(x)
 
 
@@ -456,12 +459,16 @@ def wait_for_fetches(model: Transformer) -> None:
 def specache_generate(model: Transformer, state: SpeCacheState, prompts: list[list[int]], max_new_tokens: int, *,
                       stop_ids: frozenset = frozenset(), temperature: float = 0.0, top_k: Optional[int] = None,
                       callback: Callable[[Tensor], None] = lambda tokens: None,
-                      guess_next: Callable[[Tensor], Tensor] = greedy_guess) -> "GenerationResult":
+                      guess_next: Callable[[Tensor], Tensor] = greedy_guess,
+                      first_token: Optional[Tensor] = None) -> "GenerationResult":
     """generate.generate with SpeCache: prefill, the bootstrap step, then two-row decode steps.
 
     Prefill and the bootstrap step run eagerly (once per generation; prefill quantizes each prompt
     in Python); decode steps run whatever `compile_decode` compiled. `guess_next` turns the last
     row's logits (B, V) into the next speculative token (B, 1): the seam for better guesses.
+    With `first_token` (B, 1), prefill has happened elsewhere (a prefill shared by several caches,
+    see scripts/harness.py: `state.begin`, then each layer's `ingest_prompt`) and decoding starts
+    from it.
     """
     from generate import GenerationResult, cut_at_stop, pad_prompts, prefill, sample, weight_bytes
 
@@ -476,10 +483,13 @@ def specache_generate(model: Transformer, state: SpeCacheState, prompts: list[li
 
     # Prefill: full precision, then each layer's K, V go low-bit + window, and to the slow tier.
     t0 = time.perf_counter()
-    state.begin(lengths)
-    state.prefilling = True
-    with torch.compiler.set_stance("force_eager"):
-        real = prefill(model, tokens, prompt_lengths, **sampling)
+    if first_token is None:
+        state.begin(lengths)
+        state.prefilling = True
+        with torch.compiler.set_stance("force_eager"):
+            real = prefill(model, tokens, prompt_lengths, **sampling)
+    else:
+        real = first_token
     state.prefilling = False
     _sync(device)
     prefill_seconds = time.perf_counter() - t0

@@ -12,6 +12,7 @@ pairs against the real token's own low-bit top-k.
 """
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from generate import compile_decode, generate, load_model  # noqa: E402
 from scripts.convert_gguf import prepare_default_checkpoint  # noqa: E402
+from scripts.harness import specache_config_for  # noqa: E402
 from scripts.haystack import answered, needle_prompt  # noqa: E402
 from specache import SpeCacheConfig, setup_specache, specache_generate  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
@@ -29,9 +31,8 @@ METHODS = ["full", "specache-1bit", "specache-2bit", "specache-nospec-1bit", "sp
 
 
 def config_for(method: str, topk: int) -> SpeCacheConfig:
-    name, bits = method.rsplit("-", 1)
-    return SpeCacheConfig(bits=int(bits.removesuffix("bit")), topk=0 if name == "kivi" else topk,
-                          speculative=name == "specache", stats=name == "specache")
+    config = specache_config_for(method, topk)
+    return replace(config, stats=config.speculative and config.topk > 0)
 
 
 def run(model, method: str, prompt: list[int], new_tokens: int, stop_ids: frozenset, topk: int):

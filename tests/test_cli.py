@@ -137,6 +137,9 @@ def test_generation_stops_at_max_seq_length_with_a_note(capsys, smollm2_checkpoi
     (["--specache", "--specache_topk", "-1"], "top-k must be >= 0"),
     (["--cache", "turbo"], "unknown --cache"),
     (["--specache", "--cache", "kivi"], "contradicts"),
+    (["--cache", "streaming", "--budget_tokens", "4"], "sink tokens"),
+    (["--cache", "h2o", "--budget_tokens", "1"], "at least 2"),
+    (["--specache", "--budget_tokens", "100"], "--budget_tokens applies to"),
 ])
 def test_bad_specache_settings(capsys, argv, fragment):
     code, _, err = run_cli(capsys, *argv, "--max_new_tokens", "2")
@@ -164,3 +167,15 @@ def test_specache_refuses_head_dims_that_do_not_fill_bytes(capsys, smollm2_check
     code, _, err = run_cli(capsys, "--checkpoint", str(tmp_path), "--specache", "--specache_bits", "2",
                            "--specache_group", "20", "--specache_residual", "40", "--max_new_tokens", "2")
     assert code == 0, err
+
+
+@pytest.mark.parametrize("cache", ["streaming", "h2o"])
+def test_eviction_caches_run_and_report_their_budget(capsys, smollm2_checkpoint, cache):
+    code, out, err = run_cli(capsys, "--cache", cache, "--prompt", "The capital of France is", "--max_new_tokens",
+                             "4", "--temperature", "0", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    # The default budget is SpeCache 1-bit's fast tier at this length: the whole short prompt fits,
+    # so the answer is the full cache's.
+    assert result["cache"] == cache and result["budget_tokens"] >= result["prompt_tokens"][0] + 4
+    assert "Paris" in result["texts"][0]

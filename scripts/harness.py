@@ -1,0 +1,195 @@
+"""What the evaluation scripts (needle.py, ruler.py, longbench.py) share: the methods, one prefill
+per prompt branched into every method's cache, the common flags, and the report files.
+
+Prefill is full precision and the same for every method: each layer attends over the whole prompt,
+and only then does a cache decide what to keep (SpeCache and KIVI quantize, StreamingLLM and H2O
+evict). So `Runner.run` prefills a prompt once, recording each layer's K and V (and, when H2O is
+among the methods, the attention each key received), then hands them to each method's cache
+through its `ingest_prompt` and decodes from the shared first token. A cell of a sweep costs one
+prefill plus a short decode per method. Generation is greedy; batch size 1.
+
+Methods: full (the 16-bit cache); specache-{1,2}bit; specache-nospec-{1,2}bit (the paper's
+non-speculative baseline); kivi-{1,2}bit (the low-bit copy and window, nothing fetched);
+streaming and h2o (eviction at the fast-tier budget of SpeCache with --budget_bits bits, see
+eviction.py).
+
+With --compile, decode steps run compiled; each method and cache capacity is a graph of its own,
+so capacities are rounded up to a multiple of 1024 tokens and prompts of similar length share them.
+"""
+import argparse
+import json
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from eviction import EvictionConfig, equal_budget_tokens, eviction_generate, eviction_layers, prompt_attention_mass, \
+    setup_eviction  # noqa: E402
+from generate import GenerationResult, compile_decode, generate, load_model, prefill, resolve_checkpoint  # noqa: E402
+from model import CAUSAL_PROMPT, Transformer, attention  # noqa: E402
+from specache import SpeCacheConfig, setup_specache, specache_generate, specache_layers  # noqa: E402
+from tokenizer import Tokenizer, get_tokenizer  # noqa: E402
+
+METHODS = ("full", "specache-1bit", "specache-2bit", "specache-nospec-1bit", "specache-nospec-2bit", "kivi-1bit",
+           "kivi-2bit", "streaming", "h2o")
+DEFAULT_METHODS = ("full", "specache-1bit", "specache-2bit", "kivi-1bit", "kivi-2bit", "streaming", "h2o")
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "docs" / "results"
+
+
+@dataclass
+class MethodOutput:
+    text: str  # the reply, decoded, stop token removed
+    tokens: list[int]  # the new tokens, stop token included
+    fast_tier_bytes: Optional[int]  # None for the full cache (all of it is fast tier)
+    decode_seconds: float
+    stats: dict = field(default_factory=dict)
+
+
+class PromptRecorder(nn.Module):
+    """A layer's cache during the shared prefill: full attention, and the prompt's K, V kept."""
+
+    def __init__(self, want_mass: bool):
+        super().__init__()
+        self.want_mass = want_mass
+        self.k = self.v = self.mass = None
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask) -> Tensor:
+        self.k, self.v = k, v
+        if self.want_mass:
+            self.mass = [prompt_attention_mass(q[0], k[0])]
+        return attention(q, k, v, CAUSAL_PROMPT)
+
+
+class Prefilled(NamedTuple):
+    first: Tensor  # (1, 1) the first new token
+    recorders: list[PromptRecorder]  # each layer's K, V (and H2O's scores)
+    seconds: float
+
+
+def specache_config_for(method: str, topk: int) -> SpeCacheConfig:
+    name, bits = method.rsplit("-", 1)
+    return SpeCacheConfig(bits=int(bits.removesuffix("bit")), topk=0 if name == "kivi" else topk,
+                          speculative=name == "specache")
+
+
+class Runner:
+    """Greedy generation of one prompt with every method, sharing the prefill."""
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, methods: list[str], topk: int = 64,
+                 budget_bits: int = 1, sink_tokens: int = 4, compile: bool = False):
+        unknown = [m for m in methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown methods {unknown}: use some of {', '.join(METHODS)}")
+        self.model, self.tokenizer, self.methods = model, tokenizer, list(methods)
+        self.topk, self.budget_bits, self.sink_tokens = topk, budget_bits, sink_tokens
+        self.stop_ids = frozenset(tokenizer.stop_ids)
+        self.capacity_step = 1024 if compile else 1
+        if compile:
+            compile_decode(model)
+
+    def budget(self, capacity: int) -> int:
+        return equal_budget_tokens(self.model, capacity, SpeCacheConfig(bits=self.budget_bits, topk=self.topk))
+
+    def capacity(self, prompt: list[int], max_new_tokens: int) -> int:
+        return -(-(len(prompt) + max_new_tokens) // self.capacity_step) * self.capacity_step
+
+    @torch.no_grad()
+    def run(self, prompt: list[int], max_new_tokens: int) -> dict[str, MethodOutput]:
+        prefilled = self.prefill(prompt, max_new_tokens)
+        outputs = {}
+        for method in self.methods:
+            result = self.decode(method, prompt, prefilled, max_new_tokens)
+            new = result.tokens[0]
+            text = self.tokenizer.decode([t for t in new if t not in self.stop_ids])
+            outputs[method] = MethodOutput(text, new, result.stats.get("fast_tier_bytes"), result.decode_seconds,
+                                           result.stats)
+        return outputs
+
+    @torch.no_grad()
+    def prefill(self, prompt: list[int], max_new_tokens: int) -> Prefilled:
+        """The prompt through the model once, full precision, each layer's K and V recorded."""
+        model = self.model
+        recorders = [PromptRecorder(want_mass="h2o" in self.methods) for _ in model.layers]
+        for layer, recorder in zip(model.layers, recorders):
+            layer.attention.kv_cache = recorder
+        model.setup_rope(self.capacity(prompt, max_new_tokens) + 1)
+        device = model.output.weight.device
+        t0 = time.perf_counter()
+        with torch.compiler.set_stance("force_eager"):
+            first = prefill(model, torch.tensor([prompt], device=device), torch.tensor([len(prompt)], device=device),
+                            temperature=0)
+        return Prefilled(first, recorders, time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def decode(self, method: str, prompt: list[int], prefilled: Prefilled, max_new_tokens: int,
+               batch_size: int = 1, overlap_fetch: bool = True) -> GenerationResult:
+        """Load the recorded prompt into `method`'s cache (`batch_size` copies of it) and decode
+        from the first token. `overlap_fetch=False`: SpeCache waits for each fetch as it starts."""
+        model, capacity = self.model, self.capacity(prompt, max_new_tokens)
+        prompts, lengths = [prompt] * batch_size, [len(prompt)] * batch_size
+        copies = [(rec.k.expand(batch_size, -1, -1, -1), rec.v.expand(batch_size, -1, -1, -1),
+                   None if rec.mass is None else rec.mass * batch_size) for rec in prefilled.recorders]
+        common = dict(stop_ids=self.stop_ids, temperature=0, first_token=prefilled.first.expand(batch_size, 1))
+        if method == "full":
+            model.setup_caches(batch_size, capacity)
+            for layer, (k, v, _) in zip(model.layers, copies):
+                layer.attention.kv_cache.ingest_prompt(k, v)
+            return generate(model, prompts, max_new_tokens, **common)
+        if method in ("streaming", "h2o"):
+            # SpeCache's fast tier at the true length: a capacity rounded up for --compile would inflate it
+            config = EvictionConfig(method, self.budget(len(prompt) + max_new_tokens), self.sink_tokens)
+            state = setup_eviction(model, batch_size, capacity, config)
+            state.begin(lengths)
+            for cache, (k, v, mass) in zip(eviction_layers(model), copies):
+                cache.ingest_prompt(k, v, mass)
+            return eviction_generate(model, state, prompts, max_new_tokens, **common)
+        config = replace(specache_config_for(method, self.topk), overlap_fetch=overlap_fetch)
+        state = setup_specache(model, batch_size, capacity, config)
+        state.begin(lengths)
+        for cache, (k, v, _) in zip(specache_layers(model), copies):
+            cache.ingest_prompt(k, v)
+        return specache_generate(model, state, prompts, max_new_tokens, **common)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every evaluation script takes."""
+    g = parser.add_argument_group("model and methods")
+    g.add_argument("--checkpoint", type=Path, default=None,
+                   help="model.pth (default: the embedded SmolLM2-135M-Instruct, prepared offline)")
+    g.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS, metavar="METHOD",
+                   help=f"caches to compare (default: {' '.join(DEFAULT_METHODS)}; also: "
+                        "specache-nospec-1bit specache-nospec-2bit)")
+    g.add_argument("--topk", type=int, default=64, help="SpeCache k: 16-bit pairs fetched per layer and KV head")
+    g.add_argument("--budget_bits", type=int, default=1, choices=(1, 2),
+                   help="streaming and h2o get the fast-tier bytes of SpeCache with this many bits (default 1)")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    g.add_argument("--compile", action="store_true",
+                   help="compile the decode steps (minutes of compiling first; pays off over many prompts)")
+    g.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the report files go (default docs/results)")
+
+
+def runner_from_args(args: argparse.Namespace) -> Runner:
+    torch.set_grad_enabled(False)
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    model = load_model(checkpoint, torch.device(args.device), getattr(torch, args.dtype))
+    return Runner(model, get_tokenizer(checkpoint.parent), args.methods, args.topk, args.budget_bits,
+                  compile=args.compile)
+
+
+def command_line() -> str:
+    return "python " + " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).as_posix()] + sys.argv[1:])
+
+
+def write_report(out: Path, name: str, markdown: str, raw: dict) -> None:
+    """{out}/{name}.md (the command that produced it, then the tables) and {out}/{name}.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(f"`{command_line()}`\n\n{markdown.strip()}\n", encoding="utf-8")
+    (out / f"{name}.json").write_text(json.dumps(dict(command=command_line(), **raw), indent=1), encoding="utf-8")

@@ -1,0 +1,64 @@
+"""Assemble docs/RESULTS.md from the evaluation reports in docs/results/.
+
+    python scripts/results_page.py            # rebuild the page from the reports already there
+    python scripts/results_page.py --run      # rerun every evaluation first (defaults; ~1 h on a 2-core CPU)
+
+Each report (`{name}.md`) starts with the command that produced it; needle.py, ruler.py and
+longbench.py write them (scripts/harness.py: write_report).
+"""
+import argparse
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+SECTIONS = [
+    ("needle", "Needle in a haystack", "scripts/needle.py",
+     "Kamradt's protocol on the Paul Graham essays: context length x needle depth, one needle per cell, greedy. "
+     "'found' is a substring match of the answer; ROUGE-1 recall of the needle sentence beside it. "
+     "Heatmaps: color = ROUGE-1 recall, * = answer found."),
+    ("ruler", "RULER (synthetic tasks)", "scripts/ruler.py",
+     "RULER's 11 synthetic tasks generated in code with the official configurations, scored with "
+     "string_match_all x 100."),
+    ("longbench", "LongBench v1 (English and code)", "scripts/longbench.py",
+     "The 16 English and code tasks with the official prompts, truncation and metrics; data from the hub."),
+]
+
+
+def page() -> str:
+    parts = ["# Results\n",
+             "Measured on this project's CPU box (2 cores, no GPU) with the default model, SmolLM2-135M-Instruct "
+             "(fp32), which retrieves reliably only up to about 4k tokens. Every table below was written by the "
+             "command above it; `python scripts/results_page.py` rebuilds this page from those reports "
+             f"(last built with torch {torch.__version__}, Python {platform.python_version()}).\n",
+             "Methods: `full` is the 16-bit cache; `specache-Nbit` is SpeCache (k = 64 fetched pairs, g = 64, "
+             "R = 64); `kivi-Nbit` is the same low-bit copy and window with nothing fetched; `streaming` "
+             "(StreamingLLM) and `h2o` keep as many 16-bit tokens as fit in SpeCache 1-bit's fast-tier bytes. "
+             "'fast tier (x 16-bit)' is the fast-tier KV bytes over a 16-bit cache of the same length.\n"]
+    for name, title, script, blurb in SECTIONS:
+        report = RESULTS / f"{name}.md"
+        parts.append(f"## {title}\n\n{blurb}\n")
+        if report.is_file():
+            parts.append(report.read_text(encoding="utf-8").replace("](", "](results/") + "\n")
+        else:
+            parts.append(f"Not measured on this machine yet: run `python {script}`.\n")
+    return "\n".join(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", action="store_true", help="rerun needle.py and ruler.py (default settings) first")
+    args = parser.parse_args()
+    if args.run:
+        for script in ("scripts/needle.py", "scripts/ruler.py"):
+            subprocess.run([sys.executable, str(ROOT / script)], check=True, cwd=ROOT)
+    (ROOT / "docs" / "RESULTS.md").write_text(page(), encoding="utf-8")
+    print(f"wrote {ROOT / 'docs' / 'RESULTS.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""The needle sweep's scoring, tables and heatmaps, driven by a fake runner (no model)."""
+import types
+
+import pytest
+
+from scripts.haystack import NEEDLE
+from scripts.needle import heatmap, rouge1_recall, sweep, tables
+
+
+def test_rouge1_recall_of_the_needle():
+    assert rouge1_recall(NEEDLE) == 1.0
+    assert rouge1_recall("") == 0.0
+    # The needle has 21 tokens after ROUGE's lowercasing and splitting ("in" and "a" twice); this
+    # reply covers "the best thing to do in san francisco is" and one "a": 10 of them.
+    assert rouge1_recall("The best thing to do in San Francisco is to start a startup.") == pytest.approx(10 / 21)
+
+
+class FakeRunner:
+    """Answers right only at depth 0, and only for `good`; the prompt itself is real."""
+    methods = ["full", "good", "bad"]
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def run(self, prompt, max_new_tokens):
+        self.calls += 1
+        depth0 = self.calls % 2 == 1  # cells come length-major, depths [0, 100]
+        reply = lambda right: NEEDLE.strip() if right else "I do not know."
+        stats = dict(fast_tier_ratio_to_16bit_cache=0.14)
+        return {"full": types.SimpleNamespace(text=reply(True), fast_tier_bytes=None, stats={}),
+                "good": types.SimpleNamespace(text=reply(depth0), fast_tier_bytes=10, stats=stats),
+                "bad": types.SimpleNamespace(text=reply(False), fast_tier_bytes=10, stats=stats)}
+
+
+def test_sweep_tables_and_heatmaps(tmp_path):
+    from scripts.convert_gguf import prepare_default_checkpoint
+    from tokenizer import get_tokenizer
+
+    runner = FakeRunner(get_tokenizer(prepare_default_checkpoint().parent))
+    rows = sweep(runner, [300, 600], [0, 100], new_tokens=8)
+    assert runner.calls == 4 and len(rows) == 12
+    assert all(abs(r["prompt_tokens"] - r["length"]) < 120 for r in rows)
+    table = tables(rows, runner.methods, [300, 600], [0, 100]).splitlines()
+    assert table[2] == "| full | 1 | 2/2 | 2/2 | 4/4 | 1.00 |"
+    assert table[3] == "| good | 0.140 | 1/2 | 1/2 | 2/4 | 0.52 |"  # 2 cells at 1, 2 at 1/21 ("do")
+    assert table[4] == "| bad | 0.140 | 0/2 | 0/2 | 0/4 | 0.05 |"
+    heatmap(rows, "good", [300, 600], [0, 100], tmp_path / "good.png")
+    assert (tmp_path / "good.png").read_bytes()[:4] == b"\x89PNG"
