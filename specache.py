@@ -59,6 +59,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from kernels import lowbit_cpu
 from kernels.attention import LowBitKV, Segments, mixed_attention
 from kernels.quant import quantize_keys, quantize_values, scale_dtype_for, value_group
 from model import CAUSAL_PROMPT, Transformer, attention
@@ -399,6 +400,8 @@ def setup_specache(model: Transformer, batch_size: int, max_seq_length: int, con
     capacity = -(-max_seq_length // config.group) * config.group
     device, dtype = model.output.weight.device, config.pair_dtype_for(model.output.weight.dtype)
     state = SpeCacheState(config, batch_size, capacity, device)
+    if device.type == "cpu":
+        lowbit_cpu.available()  # builds the C kernel now (once per machine), not while torch.compile traces
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specache-fetch")
     for layer in model.layers:
         layer.attention.kv_cache = SpeCacheLayer(state, c.n_local_heads, c.head_dim, dtype, device, executor)

@@ -8,7 +8,9 @@ attend over four segments of one sequence's history:
 - the residual window: the 16-bit keys and values not quantized yet,
 - the new rows themselves, causally (the real row does not see the speculative row's key).
 
-All four share one softmax. Besides the output, the attention returns, per new row, how much
+All four share one softmax. The low-bit segment is computed apart (`lowbit_partial_attention`: on a
+CPU the C kernel of kernels/lowbit_cpu.py, elsewhere `key_scores` and `value_mix` below, which
+torch.compile fuses) and merged with the 16-bit segments by the log-sum-exp rule. Besides the output, the attention returns, per new row, how much
 weight each position of the history got (the fetched and window ones with their 16-bit weight),
 averaged over the query heads that share a KV head (GQA): the speculative row's weights choose
 the next kappa. The window holds positions [Lq, Lq + window_len).
@@ -20,6 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from kernels import lowbit_cpu
 from kernels.quant import dequantize_keys, dequantize_values, unpack_bits
 
 
@@ -104,18 +107,42 @@ def _rows(q: Tensor, n_kv_heads: int) -> Tensor:
     return q.reshape(b, n_kv_heads, (h // n_kv_heads) * s, d)
 
 
-def _segment_masks(seg: Segments, t: int, s: int, group_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Which keys of each segment the rows may see: low-bit (B,Hkv,1,T), fetched (B,Hkv,1,k),
-    window (B,1,1,R), new (1,1,G*S,S)."""
+def lowbit_partial_attention(rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor,
+                             excluded_valid: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The softmax pieces of rows (B, Hkv, M, D, already scaled) over the low-bit copy's positions
+    [0, visible_len) less the valid excluded ones: weights exp(score - row_max) (B, Hkv, M, T),
+    row_max and row_sum (B, Hkv, M), and the unnormalized output (B, Hkv, M, D); see
+    kernels/lowbit_cpu.py, whose reference is the spec. The C kernel on a CPU; elsewhere (or without
+    a C compiler, or for head dims and groups it does not cover) the scale-folding einsums above."""
+    d = rows.shape[-1]
+    kernel_shape = d % 16 == 0 and d <= lowbit_cpu.MAX_HEAD_DIM and kv.group % 8 == 0
+    if rows.device.type == "cpu" and kernel_shape and lowbit_cpu.available():
+        return torch.ops.specache.lowbit_partial_attention(rows, *kv[:6], kv.bits, kv.group, visible_len,
+                                                           excluded_pos, excluded_valid)
+    return lowbit_partial_attention_torch(rows, kv, visible_len, excluded_pos, excluded_valid)
+
+
+def lowbit_partial_attention_torch(rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor,
+                                   excluded_valid: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """lowbit_partial_attention from `key_scores` and `value_mix` (the GPU path until a Triton kernel)."""
+    t = kv.k_packed.shape[2]
+    excluded = torch.zeros(excluded_pos.shape[:2] + (t,), dtype=torch.bool, device=rows.device)
+    excluded = excluded.scatter(-1, excluded_pos.clamp(0, t - 1), excluded_valid & (excluded_pos < t))
+    allowed = (torch.arange(t, device=rows.device) < visible_len[:, None, None]) & ~excluded
+    scores = key_scores(rows, kv).masked_fill(~allowed.unsqueeze(2), float("-inf"))
+    row_max = scores.amax(-1)
+    weights = torch.exp(scores - torch.where(row_max.isfinite(), row_max, 0.0).unsqueeze(-1))
+    return weights, row_max, weights.sum(-1), value_mix(weights, kv)
+
+
+def _segment_masks(seg: Segments, s: int, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Which keys of the 16-bit segments the rows may see: fetched (B,Hkv,1,k), window (B,1,1,R),
+    new (1,1,G*S,S)."""
     device = seg.new_k.device
-    fetched = torch.zeros(seg.fetched_pos.shape[:2] + (t,), dtype=torch.bool, device=device)
-    fetched = fetched.scatter(-1, seg.fetched_pos, seg.fetched_valid)
-    positions = torch.arange(t, device=device)
-    lowbit = (positions < seg.quantized_len[:, None, None]) & ~fetched
     window = torch.arange(seg.window_k.shape[2], device=device) < seg.window_len[:, None, None, None]
     row_s = torch.arange(s, device=device).repeat(group_size)  # the new-row index of each query row
     new = torch.arange(s, device=device)[None, :] <= row_s[:, None]
-    return lowbit.unsqueeze(2), seg.fetched_valid.unsqueeze(2), window, new[None, None]
+    return seg.fetched_valid.unsqueeze(2), window, new[None, None]
 
 
 def mixed_attention(q: Tensor, kv: LowBitKV, seg: Segments) -> tuple[Tensor, Tensor]:
@@ -128,19 +155,22 @@ def mixed_attention(q: Tensor, kv: LowBitKV, seg: Segments) -> tuple[Tensor, Ten
     n_kv, t = kv.k_packed.shape[1], kv.k_packed.shape[2]
     g = n_heads // n_kv
     rows = _rows(q, n_kv).float() * d ** -0.5
-    lowbit_ok, fetched_ok, window_ok, new_ok = _segment_masks(seg, t, s, g)
+    p_lowbit, lowbit_max, lowbit_sum, lowbit_out = lowbit_partial_attention(
+        rows, kv, seg.quantized_len, seg.fetched_pos, seg.fetched_valid)
+    fetched_ok, window_ok, new_ok = _segment_masks(seg, s, g)
     neg = float("-inf")
-    scores = [key_scores(rows, kv).masked_fill(~lowbit_ok, neg),
-              (rows @ seg.fetched_k.float().transpose(-1, -2)).masked_fill(~fetched_ok, neg),
+    scores = [(rows @ seg.fetched_k.float().transpose(-1, -2)).masked_fill(~fetched_ok, neg),
               (rows @ seg.window_k.float().transpose(-1, -2)).masked_fill(~window_ok, neg),
               (rows @ seg.new_k.float().transpose(-1, -2)).masked_fill(~new_ok, neg)]
     # every row sees its own key, so the maximum is finite; KIVI alone fetches nothing (k = 0)
-    top = torch.stack([x.amax(-1) for x in scores if x.shape[-1]], -1).amax(-1, keepdim=True)
+    top = torch.stack([lowbit_max] + [x.amax(-1) for x in scores if x.shape[-1]], -1).amax(-1, keepdim=True)
+    lowbit_scale = torch.exp(lowbit_max.unsqueeze(-1) - top)  # 0 when nothing is low-bit yet
     weights = [torch.exp(x - top) for x in scores]
-    total = sum(w.sum(-1, keepdim=True) for w in weights)
-    p_lowbit, p_fetched, p_window, p_new = (w / total for w in weights)
-    out = (value_mix(p_lowbit, kv) + p_fetched @ seg.fetched_v.float() + p_window @ seg.window_v.float()
+    total = lowbit_sum.unsqueeze(-1) * lowbit_scale + sum(w.sum(-1, keepdim=True) for w in weights)
+    p_fetched, p_window, p_new = (w / total for w in weights)
+    out = (lowbit_out * (lowbit_scale / total) + p_fetched @ seg.fetched_v.float() + p_window @ seg.window_v.float()
            + p_new @ seg.new_v.float())
+    p_lowbit = p_lowbit * (lowbit_scale / total)
     window_pos = (seg.quantized_len[:, None] + torch.arange(seg.window_k.shape[2], device=q.device)).clamp(max=t - 1)
     position_weights = (p_lowbit.scatter_add(-1, seg.fetched_pos.unsqueeze(2).expand_as(p_fetched), p_fetched)
                         .scatter_add(-1, window_pos[:, None, None, :].expand_as(p_window), p_window))

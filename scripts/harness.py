@@ -13,8 +13,9 @@ non-speculative baseline); kivi-{1,2}bit (the low-bit copy and window, nothing f
 streaming and h2o (eviction at the fast-tier budget of SpeCache with --budget_bits bits, see
 eviction.py).
 
-With --compile, decode steps run compiled; each method and cache capacity is a graph of its own,
-so capacities are rounded up to a multiple of 1024 tokens and prompts of similar length share them.
+With --compile, decode steps run compiled (the full cache with FlexAttention, as generate.py does);
+each method and cache capacity is a graph of its own, so capacities are rounded up to a multiple of
+1024 tokens and prompts of similar length share them.
 """
 import argparse
 import json
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eviction import EvictionConfig, equal_budget_tokens, eviction_generate, eviction_layers, prompt_attention_mass, \
     setup_eviction  # noqa: E402
 from generate import GenerationResult, compile_decode, generate, load_model, prefill, resolve_checkpoint  # noqa: E402
-from model import CAUSAL_PROMPT, Transformer, attention  # noqa: E402
+from model import CAUSAL_PROMPT, Transformer, attention, flex_attention_available  # noqa: E402
 from specache import SpeCacheConfig, setup_specache, specache_generate, specache_layers  # noqa: E402
 from tokenizer import Tokenizer, get_tokenizer  # noqa: E402
 
@@ -83,14 +84,15 @@ class Runner:
     """Greedy generation of one prompt with every method, sharing the prefill."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, methods: list[str], topk: int = 64,
-                 budget_bits: int = 1, sink_tokens: int = 4, compile: bool = False):
+                 budget_bits: int = 1, sink_tokens: int = 4, compile: bool = False, round_capacity: bool = True):
         unknown = [m for m in methods if m not in METHODS]
         if unknown:
             raise ValueError(f"unknown methods {unknown}: use some of {', '.join(METHODS)}")
         self.model, self.tokenizer, self.methods = model, tokenizer, list(methods)
         self.topk, self.budget_bits, self.sink_tokens = topk, budget_bits, sink_tokens
         self.stop_ids = frozenset(tokenizer.stop_ids)
-        self.capacity_step = 1024 if compile else 1
+        self.compiled = compile
+        self.capacity_step = 1024 if compile and round_capacity else 1
         if compile:
             compile_decode(model)
 
@@ -141,7 +143,8 @@ class Runner:
             model.setup_caches(batch_size, capacity)
             for layer, (k, v, _) in zip(model.layers, copies):
                 layer.attention.kv_cache.ingest_prompt(k, v)
-            return generate(model, prompts, max_new_tokens, **common)
+            use_flex = self.compiled and flex_attention_available(model.output.weight.device)
+            return generate(model, prompts, max_new_tokens, use_flex=use_flex, **common)
         if method in ("streaming", "h2o"):
             # SpeCache's fast tier at the true length: a capacity rounded up for --compile would inflate it
             config = EvictionConfig(method, self.budget(len(prompt) + max_new_tokens), self.sink_tokens)

@@ -24,6 +24,9 @@ SECTIONS = [
     ("ruler", "RULER (synthetic tasks)", "scripts/ruler.py",
      "RULER's 11 synthetic tasks generated in code with the official configurations, scored with "
      "string_match_all x 100."),
+    ("bench", "Decode speed", "scripts/bench.py",
+     "Every cache decoding the same prompt, compiled, against HF transformers and the box's read bandwidth; "
+     "SmolLM2's trained context is 8k, so 16k measures speed only."),
     ("longbench", "LongBench v1 (English and code)", "scripts/longbench.py",
      "The 16 English and code tasks with the official prompts, truncation and metrics; data from the hub."),
 ]

@@ -133,3 +133,18 @@ def test_fetching_every_position_is_exact_attention():
     mask[0, -1] = False  # the real row does not see the speculative row
     exact = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     torch.testing.assert_close(out, exact, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+def test_torch_partial_attention_matches_the_reference(bits):
+    from kernels.attention import lowbit_partial_attention_torch
+    from kernels.lowbit_cpu import lowbit_partial_attention_reference
+
+    kv, _, _ = lowbit_copy(bits, 128)
+    rows = torch.randn(2, 3, 6, 64)
+    visible = torch.tensor([128, 70])
+    excluded = torch.randint(0, 128, (2, 3, 8))
+    valid = torch.rand(2, 3, 8) > 0.3
+    for got, want in zip(lowbit_partial_attention_torch(rows, kv, visible, excluded, valid),
+                         lowbit_partial_attention_reference(rows, kv, visible, excluded, valid)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # fp32 sums in another order

@@ -1,0 +1,244 @@
+"""The low-bit segment of SpeCache's attention on CPUs: a C kernel and its plain-PyTorch reference.
+
+`lowbit_partial_attention(rows, kv, visible_len, excluded_pos, excluded_valid)` returns the pieces
+of a softmax over the packed low-bit copy (kernels.quant's layout) that the caller merges with its
+other segments by the log-sum-exp rule:
+
+    score[b,h,m,t]   = rows[b,h,m] . key[b,h,t]          (key dequantized; rows already * D**-0.5)
+    allowed[b,h,t]   = t < visible_len[b] and t is not a valid excluded_pos[b,h,:]
+    row_max[b,h,m]   = max of score over allowed t        (-inf when nothing is allowed)
+    weights[b,h,m,t] = exp(score - row_max) where allowed, exactly 0 elsewhere
+    row_sum[b,h,m]   = sum_t weights;   out[b,h,m] = sum_t weights * value[b,h,t]   (unnormalized)
+
+T need not be a multiple of the group: k_scale holds ceil(T/group) key groups, the last partial.
+`lowbit_partial_attention_reference` spells this out by dequantizing; it is the spec.
+
+The C kernel (kernels/lowbit_cpu.c) never dequantizes. Scales fold into the other operand
+(q . (code * s + z) = (q * s) . code + q . z for keys, per channel and key group; w (code * s + z) =
+(w * s) code + w z for values, per token and value group), and then both products are lookups in
+16-entry tables indexed by 4 bits of packed codes, 16 lanes per vpermps:
+- keys: a nibble of a token holds 4/bits channels; per row and key group, each nibble position
+  gets the table of the 16 partial dot products it can give;
+- values: a nibble of a channel holds its codes in 4/bits consecutive tokens; per row, those
+  tokens get the table of the 16 partial weighted sums they can give a channel.
+Dequantizing would take an FMA per channel, token and row; this takes one lookup and one add per
+nibble and row, for 16 tokens (keys) or 16 channels (values) at a time. A first parallel pass writes
+the scores into `weights` and takes the row maxima; a second exponentiates in place (a polynomial
+exp, relative error ~1e-7) and mixes the values. Work is split over (batch, head, chunk of
+positions) with OpenMP, on torch's thread count; results do not depend on it. Inference only: the
+op has no autograd formula.
+
+The kernel is compiled at first use with gcc -O3 -march=native -fopenmp into $XDG_CACHE_HOME/specache
+(or ~/.cache/specache), named by a hash of the source, the flags, `gcc --version` and the macros
+-march=native defines here (so that a shared home directory never loads another CPU's build), and
+published by an atomic rename. Without AVX-512 the same file builds plain C that runs the same
+tables one lookup at a time. Without gcc, or when the build fails, `available()` is False (with one
+warning) and the reference runs instead; SPECACHE_NO_CPU_KERNEL=1 forces that. The kernel is the
+custom op `specache::lowbit_partial_attention` (with the LowBitKV fields spread out), which
+torch.compile keeps as one opaque call; `run_kernel(load(build(flags)), ...)` runs a given build.
+"""
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from kernels.quant import SCALE_DTYPES, dequantize_keys, dequantize_values, value_group
+
+if TYPE_CHECKING:  # kernels.attention may import this module
+    from kernels.attention import LowBitKV
+
+SOURCE = Path(__file__).with_name("lowbit_cpu.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+MAX_HEAD_DIM = 256  # the C file's MAX_D
+Outputs = tuple[Tensor, Tensor, Tensor, Tensor]
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference
+# ---------------------------------------------------------------------------------------------
+
+def _check(rows: Tensor, kv: "LowBitKV", visible_len: Tensor, excluded_pos: Tensor, excluded_valid: Tensor) -> None:
+    """Raise ValueError unless the inputs have the layout described in the module docstring."""
+    def fail(message: str):
+        raise ValueError(f"lowbit_partial_attention: {message}")
+
+    if rows.dim() != 4 or rows.dtype != torch.float32:
+        fail(f"rows must be (B, Hkv, M, D) float32, got {tuple(rows.shape)} {rows.dtype}")
+    b, h, _, d = rows.shape
+    if kv.bits not in (1, 2):
+        fail(f"bits must be 1 or 2, got {kv.bits}")
+    if d % 16 or not 16 <= d <= MAX_HEAD_DIM:
+        fail(f"head_dim must be a multiple of 16 in [16, {MAX_HEAD_DIM}], got {d}")
+    if kv.group <= 0 or kv.group % 8 or d % value_group(kv.group, d):
+        fail(f"group must be a positive multiple of 8 that makes whole value groups of head_dim {d}, got {kv.group}")
+    if kv.k_packed.dim() != 4 or kv.k_packed.shape[2] == 0:
+        fail(f"k_packed must be (B, Hkv, T > 0, D*bits/8), got {tuple(kv.k_packed.shape)}")
+    if kv.k_scale.dtype not in SCALE_DTYPES:
+        fail(f"scales must be float16 or bfloat16, got {kv.k_scale.dtype}")
+    t, nbytes, groups = kv.k_packed.shape[2], d * kv.bits // 8, -(-kv.k_packed.shape[2] // kv.group)
+    value_groups = d // value_group(kv.group, d)
+    expected = ((kv.k_packed, (b, h, t, nbytes), torch.uint8), (kv.k_scale, (b, h, groups, d), kv.k_scale.dtype),
+                (kv.k_zero, (b, h, groups, d), kv.k_scale.dtype), (kv.v_packed, (b, h, t, nbytes), torch.uint8),
+                (kv.v_scale, (b, h, t, value_groups), kv.k_scale.dtype),
+                (kv.v_zero, (b, h, t, value_groups), kv.k_scale.dtype))
+    for name, (x, shape, dtype) in zip(("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero"), expected):
+        if x.shape != shape or x.dtype != dtype:
+            fail(f"kv.{name} must be {shape} {dtype}, got {tuple(x.shape)} {x.dtype}")
+    if visible_len.shape != (b,) or visible_len.dtype != torch.int64:
+        fail(f"visible_len must be ({b},) int64, got {tuple(visible_len.shape)} {visible_len.dtype}")
+    if excluded_pos.dim() != 3 or excluded_pos.shape[:2] != (b, h) or excluded_pos.dtype != torch.int64:
+        fail(f"excluded_pos must be ({b}, {h}, K) int64, got {tuple(excluded_pos.shape)} {excluded_pos.dtype}")
+    if excluded_valid.shape != excluded_pos.shape or excluded_valid.dtype != torch.bool:
+        fail(f"excluded_valid must be bool shaped like excluded_pos, "
+             f"got {tuple(excluded_valid.shape)} {excluded_valid.dtype}")
+    device = rows.device
+    if any(x.device != device for x in (*kv[:6], visible_len, excluded_pos, excluded_valid)):
+        fail("all tensors must be on one device")
+
+
+def lowbit_partial_attention_reference(rows: Tensor, kv: "LowBitKV", visible_len: Tensor, excluded_pos: Tensor,
+                                       excluded_valid: Tensor) -> Outputs:
+    """The module docstring's definition, in plain PyTorch: dequantize, score, mask, exponentiate."""
+    _check(rows, kv, visible_len, excluded_pos, excluded_valid)
+    b, h, _, _ = rows.shape
+    t = kv.k_packed.shape[2]
+    padded = kv.k_scale.shape[2] * kv.group  # whole key groups for dequantize_keys; the padding is cut off
+    k_packed = torch.nn.functional.pad(kv.k_packed, (0, 0, 0, padded - t))
+    keys = dequantize_keys(k_packed, kv.k_scale, kv.k_zero, kv.bits, kv.group)[:, :, :t]
+    values = dequantize_values(kv.v_packed, kv.v_scale, kv.v_zero, kv.bits, kv.group)
+    scores = rows @ keys.transpose(-1, -2)
+    # scatter_add, not scatter: an invalid slot may repeat a valid slot's position
+    counts = (excluded_valid & (excluded_pos >= 0) & (excluded_pos < t)).long()
+    hits = torch.zeros(b, h, t, dtype=torch.long, device=rows.device).scatter_add(-1, excluded_pos.clamp(0, t - 1),
+                                                                                  counts)
+    visible = torch.arange(t, device=rows.device) < visible_len[:, None, None]
+    allowed = (visible & (hits == 0)).unsqueeze(2)  # (B, Hkv, 1, T)
+    row_max = scores.masked_fill(~allowed, float("-inf")).amax(-1)
+    weights = torch.where(allowed, torch.exp(scores - row_max.unsqueeze(-1)), 0.0)
+    return weights, row_max, weights.sum(-1), weights @ values
+
+
+# ---------------------------------------------------------------------------------------------
+# Building and loading the C kernel
+# ---------------------------------------------------------------------------------------------
+
+class _Problem(ctypes.Structure):
+    """The C file's Problem struct, field for field."""
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("rows", "k_packed", "v_packed", "k_scale", "k_zero", "v_scale", "v_zero", "visible_len",
+                 "excluded_pos", "excluded_valid", "weights", "row_max", "row_sum", "out")]
+    _fields_ += [(name, ctypes.c_int64) for name in ("batch", "heads", "m", "d", "t", "k")]
+    _fields_ += [(name, ctypes.c_int32) for name in ("bits", "group", "value_groups", "bf16", "threads")]
+
+
+def build(flags: tuple[str, ...] = FLAGS) -> Path:
+    """Compile kernels/lowbit_cpu.c with `flags` into the cache (once) and return the library's path."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        raise RuntimeError("gcc not found")
+    run = lambda *args: subprocess.run([gcc, *args], capture_output=True, text=True, check=True).stdout
+    target = run(*flags, "-dM", "-E", "-x", "c", os.devnull)  # the macros -march=native turns on here
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, run("--version"), target]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specache"
+    path = cache / f"lowbit_cpu-{key}.so"
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache, prefix=path.stem, suffix=".tmp")
+        os.close(fd)
+        try:
+            subprocess.run([gcc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, check=True)
+            os.replace(tmp, path)  # atomic: another process sees no file or a whole one
+        except subprocess.CalledProcessError as error:
+            raise RuntimeError(f"gcc failed:\n{error.stderr}") from error
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return path
+
+
+def load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.lowbit_partial_attention.argtypes = [ctypes.POINTER(_Problem)]
+    lib.lowbit_partial_attention.restype = ctypes.c_int
+    return lib
+
+
+@lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL | None:
+    try:
+        return load(build())
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
+        warnings.warn(f"specache: the CPU low-bit kernel is unavailable, using the PyTorch reference ({error})")
+        return None
+
+
+@torch.compiler.assume_constant_result
+def available() -> bool:
+    """Whether the C kernel can run (builds it on first call). Under torch.compile, read once at tracing."""
+    return os.environ.get("SPECACHE_NO_CPU_KERNEL") != "1" and _library() is not None
+
+
+def run_kernel(lib: ctypes.CDLL, rows: Tensor, kv: "LowBitKV", visible_len: Tensor, excluded_pos: Tensor,
+               excluded_valid: Tensor) -> Outputs:
+    """Call the C kernel of `lib` (a `load`ed build) on CPU tensors."""
+    _check(rows, kv, visible_len, excluded_pos, excluded_valid)
+    if rows.device.type != "cpu":
+        raise ValueError(f"lowbit_partial_attention: the C kernel takes CPU tensors, got {rows.device}")
+    b, h, m, d = rows.shape
+    t = kv.k_packed.shape[2]
+    inputs = [x.contiguous() for x in (rows, kv.k_packed, kv.v_packed, kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero,
+                                        visible_len, excluded_pos, excluded_valid)]
+    outputs = [rows.new_empty(b, h, m, t), rows.new_empty(b, h, m), rows.new_empty(b, h, m), rows.new_empty(b, h, m, d)]
+    problem = _Problem(*(x.data_ptr() for x in inputs + outputs), b, h, m, d, t, excluded_pos.shape[2], kv.bits,
+                       kv.group, kv.v_scale.shape[3], kv.k_scale.dtype == torch.bfloat16, torch.get_num_threads())
+    if lib.lowbit_partial_attention(ctypes.byref(problem)) != 0:
+        raise RuntimeError("lowbit_cpu.c rejected a problem that passed the checks")
+    return tuple(outputs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The op
+# ---------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("specache::lowbit_partial_attention", mutates_args=())
+def _op(rows: Tensor, k_packed: Tensor, k_scale: Tensor, k_zero: Tensor, v_packed: Tensor, v_scale: Tensor,
+        v_zero: Tensor, bits: int, group: int, visible_len: Tensor, excluded_pos: Tensor,
+        excluded_valid: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    from kernels.attention import LowBitKV
+
+    kv = LowBitKV(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group)
+    lib = _library()
+    if lib is None or rows.device.type != "cpu":  # called directly, where the kernel cannot run
+        return lowbit_partial_attention_reference(rows, kv, visible_len, excluded_pos, excluded_valid)
+    return run_kernel(lib, rows, kv, visible_len, excluded_pos, excluded_valid)
+
+
+@_op.register_fake
+def _(rows, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group, visible_len, excluded_pos,
+      excluded_valid):
+    from kernels.attention import LowBitKV
+
+    _check(rows, LowBitKV(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group), visible_len,
+           excluded_pos, excluded_valid)
+    b, h, m, d = rows.shape
+    t = k_packed.shape[2]
+    return rows.new_empty(b, h, m, t), rows.new_empty(b, h, m), rows.new_empty(b, h, m), rows.new_empty(b, h, m, d)
+
+
+def lowbit_partial_attention(rows: Tensor, kv: "LowBitKV", visible_len: Tensor, excluded_pos: Tensor,
+                             excluded_valid: Tensor) -> Outputs:
+    """(weights (B,Hkv,M,T), row_max (B,Hkv,M), row_sum (B,Hkv,M), out (B,Hkv,M,D)), all float32, as in the
+    module docstring: the C kernel for CPU tensors when it is available, else the reference."""
+    if rows.device.type == "cpu" and available():
+        return torch.ops.specache.lowbit_partial_attention(rows, *kv[:6], kv.bits, kv.group, visible_len,
+                                                           excluded_pos, excluded_valid)
+    return lowbit_partial_attention_reference(rows, kv, visible_len, excluded_pos, excluded_valid)
