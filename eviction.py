@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from kernels.quant import sixteen_bit_dtype
 from model import CAUSAL_PROMPT, Transformer, attention
 
 POLICIES = ("streaming", "h2o")
@@ -174,16 +175,12 @@ class EvictionLayer(nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos, self.score))
 
 
-def sixteen_bit(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
-
-
 def setup_eviction(model: Transformer, batch_size: int, max_seq_length: int, config: EvictionConfig) -> EvictionState:
     """Replace every layer's cache with an eviction cache of `config.budget` tokens."""
     config.validate()
     c = model.config
     device, model_dtype = model.output.weight.device, model.output.weight.dtype
-    dtype = config.pair_dtype or sixteen_bit(model_dtype)
+    dtype = config.pair_dtype or sixteen_bit_dtype(model_dtype)
     state = EvictionState(config, batch_size)
     for layer in model.layers:
         layer.attention.kv_cache = EvictionLayer(state, c.n_local_heads, c.head_dim, dtype, device)

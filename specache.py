@@ -61,7 +61,7 @@ from torch import Tensor
 
 from kernels import lowbit_cpu
 from kernels.attention import LowBitKV, Segments, mixed_attention
-from kernels.quant import quantize_keys, quantize_values, scale_dtype_for, value_group
+from kernels.quant import quantize_keys, quantize_values, sixteen_bit_dtype, value_group
 from model import CAUSAL_PROMPT, Transformer, attention
 
 
@@ -77,9 +77,7 @@ class SpeCacheConfig:
     pair_dtype: Optional[torch.dtype] = None  # the exact pairs' dtype; None: 16-bit (see above)
 
     def pair_dtype_for(self, model_dtype: torch.dtype) -> torch.dtype:
-        if self.pair_dtype is not None:
-            return self.pair_dtype
-        return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.float16
+        return self.pair_dtype or sixteen_bit_dtype(model_dtype)
 
     def validate(self, head_dim: int) -> None:
         if self.bits not in (1, 2):
@@ -263,7 +261,7 @@ class SpeCacheLayer(nn.Module):
         super().__init__()
         c, b, t = state.config, state.quantized_len.shape[0], state.capacity
         self.state, self.config = state, c
-        scale_dtype = scale_dtype_for(dtype)
+        scale_dtype = sixteen_bit_dtype(dtype)
         code_bytes = head_dim * c.bits // 8
         n_value_groups = head_dim // value_group(c.group, head_dim)
         k = min(c.topk, t)

@@ -20,8 +20,9 @@ from torch import Tensor
 SCALE_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def scale_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """Scales and zeros are 16-bit: the model's dtype if it is 16-bit, else fp16."""
+def sixteen_bit_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The model's dtype if it is 16-bit, else fp16: for scales and zeros, and for the 16-bit pairs
+    SpeCache and the eviction baselines keep."""
     return dtype if dtype in SCALE_DTYPES else torch.float16
 
 
