@@ -208,10 +208,11 @@ def eviction_layers(model: Transformer) -> list[EvictionLayer]:
 
 
 def cache_stats(model: Transformer, state: EvictionState) -> dict:
-    c = model.config
+    from specache import sixteen_bit_cache_bytes
+
     fast = sum(cache.fast_tier_bytes() for cache in eviction_layers(model))
     batch, capacity = len(state.prompt_lengths), model.max_seq_length
-    full_16bit = 2 * 2 * c.n_layer * c.n_local_heads * c.head_dim * capacity * batch
+    full_16bit = sixteen_bit_cache_bytes(model, capacity * batch)
     return {"cache": state.config.policy, "budget_tokens": state.config.budget, "capacity_tokens": capacity,
             "fast_tier_bytes": fast, "fast_tier_ratio_to_16bit_cache": fast / full_16bit}
 

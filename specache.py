@@ -552,6 +552,13 @@ def step_bytes(model: Transformer, state: SpeCacheState) -> int:
     return int(heads * sum(lq * per_position + pairs * per_pair for lq in state.host_quantized_len))
 
 
+def sixteen_bit_cache_bytes(model: Transformer, positions: int) -> int:
+    """Bytes of a 16-bit K and V cache holding `positions` positions (over all sequences): what
+    the fast-tier ratios compare with."""
+    c = model.config
+    return 2 * 2 * c.n_layer * c.n_local_heads * c.head_dim * positions
+
+
 def cache_stats(model: Transformer, state: SpeCacheState, speculative_match_rate: Optional[float]) -> dict:
     """Tier sizes, the ratio to a 16-bit cache of the same length, fetch volume, speculation quality."""
     caches = specache_layers(model)
@@ -559,7 +566,7 @@ def cache_stats(model: Transformer, state: SpeCacheState, speculative_match_rate
     fast = sum(cache.fast_tier_bytes() for cache in caches)
     slow = sum(cache.slow.nbytes() for cache in caches)
     batch = state.quantized_len.shape[0]
-    full_16bit = 2 * 2 * c.n_layer * c.n_local_heads * c.head_dim * state.capacity * batch
+    full_16bit = sixteen_bit_cache_bytes(model, state.capacity * batch)
     pair_bytes = 2 * c.head_dim * caches[0].fetched_k.element_size()
     stats = {
         "cache": "specache" if cfg.topk and cfg.speculative else ("specache-nospec" if cfg.topk else "kivi"),
