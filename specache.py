@@ -45,6 +45,12 @@ Choices the paper leaves open (ours), all configurable in `SpeCacheConfig`:
 - The speculative token is the greedy choice of row 1, whatever sampler row 0 uses.
 - Values are grouped over min(group, head_dim) channels.
 - Batches are ragged: each sequence keeps its own lengths, window and kappa.
+- On a CPU both tiers are the same RAM, so there is no transfer to hide: the fetch is a gather of
+  k pairs inside the layer's compiled step, right after kappa_{t+1} is chosen, and the real row's
+  16-bit pair is written to the slow tier there too. (A worker thread that gathered in the
+  background, the paper's design for the host side, made a SmolLM2 step at 1k slower: 50 vs 39
+  ms, the hand-off costing more than the 50 KB gather it hid.) The background fetch below, with
+  `overlap_fetch`, is for a GPU, whose slow tier is pinned host memory.
 
 Variants: `speculative=False` is the paper's non-speculative baseline (each step scores the real
 token against the low-bit copy, fetches its exact top-k synchronously, then attends again);
@@ -73,7 +79,7 @@ class SpeCacheConfig:
     topk: int = 64  # k: 16-bit pairs fetched per layer and KV head each step; 0 = KIVI alone
     speculative: bool = True  # False: the paper's non-speculative baseline
     stats: bool = False  # also measure recall@k of kappa (an extra scoring pass per layer)
-    overlap_fetch: bool = True  # False: wait for each fetch as soon as it starts (to measure what overlap buys)
+    overlap_fetch: bool = True  # GPU: False waits for each fetch as soon as it starts (what overlap buys)
     pair_dtype: Optional[torch.dtype] = None  # the exact pairs' dtype; None: 16-bit (see above)
 
     def pair_dtype_for(self, model_dtype: torch.dtype) -> torch.dtype:
@@ -170,11 +176,11 @@ def gather_pairs(store: Tensor, positions: Tensor, out: Tensor) -> None:
 
 
 class PairFetcher:
-    """Moves kappa's 16-bit pairs from the slow tier into the fast tier's fetched buffer, in the
-    background: `start` returns at once, `wait` returns when they have landed.
+    """Moves kappa's 16-bit pairs from the slow tier (pinned host memory) into the fast tier's
+    fetched buffer on the GPU, in the background: `start` returns at once, `wait` returns when they
+    have landed (for the compute stream).
 
-    CPU: a worker thread gathers from the store while the main thread computes later layers.
-    CUDA: the worker waits for kappa (an event on the compute stream), copies it to the host, gathers
+    A worker thread waits for kappa (an event on the compute stream), copies it to the host, gathers
     the pairs from pinned memory into a pinned staging buffer, and copies them up on a side stream;
     `wait` makes the compute stream wait for that copy, so the host never blocks on the GPU.
     """
@@ -183,40 +189,27 @@ class PairFetcher:
         self.layer, self.executor = layer, executor
         self.pending: Optional[Future] = None
         self.device = layer.fetched_k.device
-        if self.device.type == "cuda":
-            shape = layer.fetched_k.shape
-            self.stream = torch.cuda.Stream(self.device)
-            self.host_positions = torch.zeros(shape[:3], dtype=torch.long, pin_memory=True)
-            self.staging_k = torch.zeros(shape, dtype=layer.fetched_k.dtype, pin_memory=True)
-            self.staging_v = torch.zeros(shape, dtype=layer.fetched_v.dtype, pin_memory=True)
-            self.landed = torch.cuda.Event()
+        shape = layer.fetched_k.shape
+        self.stream = torch.cuda.Stream(self.device)
+        self.host_positions = torch.zeros(shape[:3], dtype=torch.long, pin_memory=True)
+        self.staging_k = torch.zeros(shape, dtype=layer.fetched_k.dtype, pin_memory=True)
+        self.staging_v = torch.zeros(shape, dtype=layer.fetched_v.dtype, pin_memory=True)
+        self.landed = torch.cuda.Event()
 
     def start(self) -> None:
         """Fetch the pairs of the layer's new kappa (kappa_pos / kappa_valid)."""
-        if self.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
-            self.pending = self.executor.submit(self._fetch_cuda, ready)
-        else:
-            self.pending = self.executor.submit(self.fetch_now)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        self.pending = self.executor.submit(self._fetch, ready)
 
     def wait(self) -> None:
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
         pending.result()  # re-raises here whatever went wrong in the worker
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).wait_event(self.landed)
+        torch.cuda.current_stream(self.device).wait_event(self.landed)
 
-    def fetch_now(self) -> None:
-        """Synchronous fetch, on the CPU (the non-speculative baseline calls it inside the layer)."""
-        layer = self.layer
-        gather_pairs(layer.slow.k, layer.kappa_pos, layer.fetched_k)
-        gather_pairs(layer.slow.v, layer.kappa_pos, layer.fetched_v)
-        layer.fetched_pos.copy_(layer.kappa_pos)
-        layer.fetched_valid.copy_(layer.kappa_valid)
-
-    def _fetch_cuda(self, ready: "torch.cuda.Event") -> None:
+    def _fetch(self, ready: "torch.cuda.Event") -> None:
         layer = self.layer
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
@@ -256,7 +249,7 @@ class SpeCacheLayer(nn.Module):
     """One layer's SpeCache, plugged in as `Attention.kv_cache` (see model.py)."""
 
     def __init__(self, state: SpeCacheState, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, executor: ThreadPoolExecutor):
+                 device: torch.device, executor: Optional[ThreadPoolExecutor]):
         """`dtype`: the exact pairs' dtype (window, fetched buffer, slow tier)."""
         super().__init__()
         c, b, t = state.config, state.quantized_len.shape[0], state.capacity
@@ -287,9 +280,10 @@ class SpeCacheLayer(nn.Module):
         fast("kappa_pos", b, n_kv_heads, k, dtype=torch.long)
         fast("kappa_valid", b, n_kv_heads, k, dtype=torch.bool)
         fast("recall", 2, dtype=torch.long)  # [hits, pairs] of kappa_t against the real row's own top-k
-        # Slow tier: the complete 16-bit cache.
+        # Slow tier: the complete 16-bit cache. Beside a GPU it is host memory, fetched from in the
+        # background; on a CPU it is the same RAM, gathered from inside the step (no fetcher).
         self.slow = SlowTier((b, n_kv_heads, t, head_dim), dtype, device)
-        self.fetcher = PairFetcher(self, executor)
+        self.fetcher = PairFetcher(self, executor) if device.type == "cuda" else None
 
     # --- the low-bit copy ------------------------------------------------------------------
 
@@ -319,10 +313,17 @@ class SpeCacheLayer(nn.Module):
             self.slow.write(b, 0, k[b, :, : lq + r], v[b, :, : lq + r])
 
     def store_new_pairs(self) -> None:
-        """After a step that kept the real row: send its 16-bit pair (the window's newest slot) to
-        the slow tier, outside the compiled graph (on a GPU the slow tier is host memory)."""
+        """GPU, after a step that kept the real row: send its 16-bit pair (the window's newest slot)
+        to the slow tier in host memory, outside the compiled graph."""
         for b, (lq, r) in enumerate(zip(self.state.host_quantized_len, self.state.host_window_len)):
             self.slow.write(b, lq + r, self.window_k[b, :, r: r + 1].clone(), self.window_v[b, :, r: r + 1].clone())
+
+    def gather_kappa(self) -> None:
+        """Fetch kappa's pairs from the slow tier now, in the step (the CPU path)."""
+        gather_pairs(self.slow.k, self.kappa_pos, self.fetched_k)
+        gather_pairs(self.slow.v, self.kappa_pos, self.fetched_v)
+        self.fetched_pos.copy_(self.kappa_pos)
+        self.fetched_valid.copy_(self.kappa_valid)
 
     def flush_window(self, b: int) -> None:
         """Sequence b's window holds R + g tokens: quantize the oldest g (their 16-bit pairs are in
@@ -352,11 +353,11 @@ class SpeCacheLayer(nn.Module):
             # The non-speculative baseline: score the real row against the low-bit copy, fetch its
             # exact top-k, wait for it, and attend again.
             _, weights = mixed_attention(q, self.lowbit(), nothing_fetched)
-            kappa_pos, kappa_valid = self.select_kappa(weights[:, :, 0], state.quantized_len)
+            kappa_pos, kappa_valid = self.select_kappa(weights, state.quantized_len)
             self.kappa_pos.copy_(kappa_pos)
             self.kappa_valid.copy_(kappa_valid)
-            if self.slow.k.device == self.fetched_k.device:
-                self.fetcher.fetch_now()  # on a CPU the fetch is a gather, part of the compiled graph
+            if self.fetcher is None:
+                self.gather_kappa()
             else:
                 _fetch_synchronously(self.fetcher)
             y, _ = mixed_attention(q, self.lowbit(), segments)
@@ -364,22 +365,28 @@ class SpeCacheLayer(nn.Module):
             # Mixed precision with kappa_t; the last row (the speculative one, or T1 in the
             # bootstrap step) chooses kappa_{t+1}, which the decode loop starts fetching.
             y, weights = mixed_attention(q, self.lowbit(), segments)
-            kappa_pos, kappa_valid = self.select_kappa(weights[:, :, -1], state.selectable_len)
+            kappa_pos, kappa_valid = self.select_kappa(weights, state.selectable_len)
             self.kappa_pos.copy_(kappa_pos)
             self.kappa_valid.copy_(kappa_valid)
             if self.config.stats and state.append:
                 self._count_recall(q, nothing_fetched)
+            if self.fetcher is None:  # kappa_{t+1}'s pairs, for the next step (a GPU starts a fetch instead)
+                self.gather_kappa()
         if state.append:  # the real row's K, V join the window; the speculative row's are dropped
             batch = torch.arange(k.shape[0], device=k.device)
-            self.window_k[batch, :, state.window_len] = k[:, :, 0].to(self.window_k.dtype)
-            self.window_v[batch, :, state.window_len] = v[:, :, 0].to(self.window_v.dtype)
+            new_k, new_v = k[:, :, 0].to(self.window_k.dtype), v[:, :, 0].to(self.window_v.dtype)
+            self.window_k[batch, :, state.window_len] = new_k
+            self.window_v[batch, :, state.window_len] = new_v
+            if self.fetcher is None:  # and to the slow tier (a GPU copies it out after the layer)
+                self.slow.k[batch, :, state.quantized_len + state.window_len] = new_k
+                self.slow.v[batch, :, state.quantized_len + state.window_len] = new_v
         return y
 
     def _count_recall(self, q: Tensor, nothing_fetched: Segments) -> None:
         """How many of kappa_t the real row's own low-bit top-k would also have picked."""
         _, weights = mixed_attention(q[:, :, :1], self.lowbit(), nothing_fetched._replace(
             new_k=nothing_fetched.new_k[:, :, :1], new_v=nothing_fetched.new_v[:, :, :1]))
-        own, own_valid = self.select_kappa(weights[:, :, 0], self.state.quantized_len)
+        own, own_valid = self.select_kappa(weights, self.state.quantized_len)
         hit = (self.fetched_pos.unsqueeze(-1) == own.unsqueeze(-2)) & own_valid.unsqueeze(-2)
         hits = (hit.any(-1) & self.fetched_valid).sum()
         self.recall.add_(torch.stack([hits, self.fetched_valid.sum()]))
@@ -400,7 +407,7 @@ def setup_specache(model: Transformer, batch_size: int, max_seq_length: int, con
     state = SpeCacheState(config, batch_size, capacity, device)
     if device.type == "cpu":
         lowbit_cpu.available()  # builds the C kernel now (once per machine), not while torch.compile traces
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specache-fetch")
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specache-fetch") if device.type == "cuda" else None
     for layer in model.layers:
         layer.attention.kv_cache = SpeCacheLayer(state, c.n_local_heads, c.head_dim, dtype, device, executor)
     model.setup_rope(capacity + 1)  # the speculative row can sit one past the last real position
@@ -420,6 +427,9 @@ def run_layers(model: Transformer, tokens: Tensor, input_pos: Tensor, start_fetc
     state = specache_layers(model)[0].state
     for layer in model.layers:
         cache = layer.attention.kv_cache
+        if cache.fetcher is None:  # a CPU: the layer fetches and stores within its step
+            x = layer(x, input_pos, freqs_cis, None)
+            continue
         cache.fetcher.wait()  # kappa_t's pairs have landed in this layer's fast tier
         x = layer(x, input_pos, freqs_cis, None)
         if state.append:
@@ -453,7 +463,8 @@ def greedy_guess(logits: Tensor) -> Tensor:
 
 def wait_for_fetches(model: Transformer) -> None:
     for cache in specache_layers(model):
-        cache.fetcher.wait()
+        if cache.fetcher is not None:
+            cache.fetcher.wait()
 
 
 @torch.no_grad()

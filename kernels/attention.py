@@ -10,10 +10,11 @@ attend over four segments of one sequence's history:
 
 All four share one softmax. The low-bit segment is computed apart (`lowbit_partial_attention`: on a
 CPU the C kernel of kernels/lowbit_cpu.py, elsewhere `key_scores` and `value_mix` below, which
-torch.compile fuses) and merged with the 16-bit segments by the log-sum-exp rule. Besides the output, the attention returns, per new row, how much
-weight each position of the history got (the fetched and window ones with their 16-bit weight),
-averaged over the query heads that share a KV head (GQA): the speculative row's weights choose
-the next kappa. The window holds positions [Lq, Lq + window_len).
+torch.compile fuses) and merged with the 16-bit segments by the log-sum-exp rule. Besides the
+output, the attention returns how much weight each position of the history got from the last new
+row (the fetched and window ones with their 16-bit weight), averaged over the query heads that share
+a KV head (GQA): the speculative row's weights choose the next kappa (the only row's, without
+speculation). The window holds positions [Lq, Lq + window_len).
 
 Shapes: q (B, H, S, D); every key/value tensor is per KV head (B, Hkv, N, D); H = Hkv * G.
 """
@@ -148,8 +149,8 @@ def _segment_masks(seg: Segments, s: int, group_size: int) -> tuple[Tensor, Tens
 def mixed_attention(q: Tensor, kv: LowBitKV, seg: Segments) -> tuple[Tensor, Tensor]:
     """Attention of q (B, H, S, D) over the four segments; see the module docstring.
 
-    Returns the output (B, H, S, D) in q's dtype and the per-row weights of the history's
-    positions [0, T), averaged over each KV head's query heads: (B, Hkv, S, T).
+    Returns the output (B, H, S, D) in q's dtype and the last row's weights of the history's
+    positions [0, T), averaged over each KV head's query heads: (B, Hkv, T).
     """
     b, n_heads, s, d = q.shape
     n_kv, t = kv.k_packed.shape[1], kv.k_packed.shape[2]
@@ -170,12 +171,13 @@ def mixed_attention(q: Tensor, kv: LowBitKV, seg: Segments) -> tuple[Tensor, Ten
     p_fetched, p_window, p_new = (w / total for w in weights)
     out = (lowbit_out * (lowbit_scale / total) + p_fetched @ seg.fetched_v.float() + p_window @ seg.window_v.float()
            + p_new @ seg.new_v.float())
-    p_lowbit = p_lowbit * (lowbit_scale / total)
+    last = lambda x: x.view(b, n_kv, g, s, x.shape[-1])[:, :, :, -1]  # (B, Hkv, G, N): the last row's
+    p_fetched, p_window = last(p_fetched), last(p_window)
     window_pos = (seg.quantized_len[:, None] + torch.arange(seg.window_k.shape[2], device=q.device)).clamp(max=t - 1)
-    position_weights = (p_lowbit.scatter_add(-1, seg.fetched_pos.unsqueeze(2).expand_as(p_fetched), p_fetched)
+    position_weights = last(p_lowbit) * last(lowbit_scale / total)
+    position_weights = (position_weights.scatter_add(-1, seg.fetched_pos.unsqueeze(2).expand_as(p_fetched), p_fetched)
                         .scatter_add(-1, window_pos[:, None, None, :].expand_as(p_window), p_window))
-    position_weights = position_weights.view(b, n_kv, g, s, t).mean(2)
-    return out.reshape(b, n_heads, s, d).to(q.dtype), position_weights
+    return out.reshape(b, n_heads, s, d).to(q.dtype), position_weights.mean(2)
 
 
 def mixed_attention_reference(q: Tensor, kv: LowBitKV, seg: Segments) -> tuple[Tensor, Tensor]:
@@ -205,9 +207,9 @@ def mixed_attention_reference(q: Tensor, kv: LowBitKV, seg: Segments) -> tuple[T
     scores = (q.float() @ keys.repeat_interleave(g, 1).transpose(-1, -2)) * d ** -0.5
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     out = probs @ values.repeat_interleave(g, 1)
-    position_weights = probs[..., :t].clone()
+    position_weights = probs[:, :, -1, :t].clone()
     for bi in range(b):
         lq, wl = int(seg.quantized_len[bi]), int(seg.window_len[bi])
-        position_weights[bi, :, :, lq: lq + wl] += probs[bi, :, :, t: t + wl]
-    position_weights = position_weights.view(b, n_kv, g, s, t).mean(2)
+        position_weights[bi, :, lq: lq + wl] += probs[bi, :, -1, t: t + wl]
+    position_weights = position_weights.view(b, n_kv, g, t).mean(2)
     return out.to(q.dtype), position_weights

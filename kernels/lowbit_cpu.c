@@ -34,7 +34,7 @@
 
 #define SUB 256          /* positions per sub-chunk, a multiple of 16 */
 #define MAX_D 256        /* largest head_dim (bounds the stack buffers); the Python wrapper checks it */
-#define MIN_WORK 16384   /* token-rows per thread, at least: waking a thread costs microseconds */
+#define MIN_WORK 8192    /* token-rows per thread, at least: waking a thread costs microseconds */
 #define TASKS 32         /* tasks per call to aim for */
 
 typedef struct {

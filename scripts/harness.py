@@ -133,7 +133,7 @@ class Runner:
     def decode(self, method: str, prompt: list[int], prefilled: Prefilled, max_new_tokens: int,
                batch_size: int = 1, overlap_fetch: bool = True) -> GenerationResult:
         """Load the recorded prompt into `method`'s cache (`batch_size` copies of it) and decode
-        from the first token. `overlap_fetch=False`: SpeCache waits for each fetch as it starts."""
+        from the first token. `overlap_fetch=False`: SpeCache on a GPU waits for each fetch as it starts."""
         model, capacity = self.model, self.capacity(prompt, max_new_tokens)
         prompts, lengths = [prompt] * batch_size, [len(prompt)] * batch_size
         copies = [(rec.k.expand(batch_size, -1, -1, -1), rec.v.expand(batch_size, -1, -1, -1),

@@ -49,6 +49,13 @@ def test_specache_on_cuda_generates_what_it_generates_on_cpu(cache):
     assert on_gpu.tokens == on_cpu.tokens
 
 
+def test_waiting_for_each_fetch_changes_nothing():
+    prompts = prompts_of(50, 83)
+    overlapped = run(tiny_model().cuda(), prompts, SpeCacheConfig(topk=8, **SMALL))
+    waited = run(tiny_model().cuda(), prompts, SpeCacheConfig(topk=8, overlap_fetch=False, **SMALL))
+    assert waited.tokens == overlapped.tokens
+
+
 def test_fetching_everything_on_cuda_reproduces_the_full_cache():
     model = tiny_model().cuda()
     prompts = prompts_of(45, 83)

@@ -136,7 +136,7 @@ def test_gqa_top_k_averages_the_groups_query_heads():
                                  torch.randn(b, n_kv, 2, d))
     q = torch.randn(b, n_kv * group_size, 2, d)
     _, weights = specache.mixed_attention(q, kv, segments)
-    positions, valid = select_top_k(weights[:, :, -1], segments.quantized_len, k)
+    positions, valid = select_top_k(weights, segments.quantized_len, k)
     dequantized = dequantize_keys(kv.k_packed, kv.k_scale, kv.k_zero, 1, 32)
     for bi in range(b):
         lq, wl = int(segments.quantized_len[bi]), int(segments.window_len[bi])
