@@ -3,6 +3,8 @@
     python scripts/bench.py                                          # 1k-16k x batch 1, 4; all methods
     python scripts/bench.py --lengths 16384 --batch_sizes 1 --methods full specache-1bit --out /tmp/bench
     python scripts/bench.py --lengths 1024 4096 --no_hf --dtype bfloat16
+    python scripts/bench.py --device cuda --random_weights Meta-Llama-3-8B --dtype bfloat16 \
+        --lengths 8192 32768 --batch_sizes 1 --max_batch --no_hf            # what scripts/gpu_check.sh runs
 
 Every figure comes from one run. Per context length, one random-token prompt is prefilled once
 (batch 1, full precision, as every method does: scripts/harness.py) and each method's cache takes
@@ -15,24 +17,36 @@ copy, window and fetched pairs; eviction: its kept pairs). The machine's read ba
 may be shared; "% of bw" uses the reading around the row. Ratios to the full cache are tok/s over
 the full cache's tok/s at the same length and batch, in the same run.
 
-Also: `specache-1bit, fetch waited` (SpeCache with each fetch waited for as soon as it starts: what
-overlapping the fetch buys; the paper's Table 4 compares with the non-speculative method, which
-is `specache-nospec-1bit`), and HF transformers' `generate` with its DynamicCache and, when
-optimum-quanto is installed, its QuantizedCache (quanto, 2 bits), batch 1, same prompt and dtype.
+Also: the paper's Table 4 (speculative against not) is `specache-1bit` against
+`specache-nospec-1bit`. On a GPU, `specache-1bit, fetch waited` waits for each fetch as soon as it
+starts: what overlapping the host-to-GPU fetch buys (on a CPU the fetch is a gather inside the
+step, so that row is left out there). HF transformers' `generate` with its DynamicCache and, when
+optimum-quanto is installed, its QuantizedCache (quanto, 2 bits) run batch 1, same prompt and dtype
+(embedded model only).
+
+`--random_weights NAME` times a model of that shape (a name in model.py's transformer_configs, such
+as Meta-Llama-3-8B) with random weights, where no checkpoint can travel (the GPU check): speed
+only, the tokens mean nothing. `--max_batch` also finds, per method and length, the largest batch
+that fits in memory (doubling, then bisecting, up to --max_batch_cap; on a GPU SpeCache's slow tier
+is pinned host memory, so host RAM can be the limit) and reports its tok/s, as the paper's
+throughput figure does.
 
 Writes {out}/bench.md (the table under the command), {out}/bench.json and {out}/bench.png (ms per
 step against context, batch 1).
 """
 import argparse
+import gc
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from generate import kv_bytes_per_position, load_model, weight_bytes  # noqa: E402
+from model import ModelArgs, Transformer, transformer_configs  # noqa: E402
 from scripts.convert_gguf import find_default_gguf, prepare_default_checkpoint  # noqa: E402
 from scripts.harness import METHODS, RESULTS_DIR, Runner, write_report  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
@@ -41,16 +55,49 @@ DEFAULT_METHODS = ["full", "specache-1bit", "specache-2bit", "specache-nospec-1b
 WAITED = "specache-1bit, fetch waited"
 
 
-def measure_read_bandwidth(gib: float = 0.5, repeats: int = 7) -> float:
-    """Median GB/s of summing a tensor far larger than the caches, with torch's threads."""
-    x = torch.ones(int(gib * 2**30) // 4)
+def measure_read_bandwidth(device: torch.device = torch.device("cpu"), gib: float = 0.5, repeats: int = 7) -> float:
+    """Median GB/s of summing a tensor far larger than the caches, with torch's threads (CPU)."""
+    x = torch.ones(int(gib * 2**30) // 4, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     x.sum()
     rates = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         x.sum()
+        sync()
         rates.append(x.numel() * 4 / (time.perf_counter() - t0) / 1e9)
     return statistics.median(rates)
+
+
+def random_model(name: str, device: torch.device, dtype: torch.dtype) -> Transformer:
+    """A model of `name`'s shape with random weights (speed only)."""
+    with torch.device(device):
+        model = Transformer(ModelArgs.from_name(name))
+    return model.to(dtype).eval()
+
+
+class NoTokenizer:
+    """What the runner needs of a tokenizer, for random weights: no stop tokens, no text."""
+    stop_ids = ()
+
+    def decode(self, ids: list[int]) -> str:
+        return ""
+
+
+def largest_batch(fits: Callable[[int], bool], cap: int) -> int:
+    """The largest batch in [1, cap] for which fits(batch) holds (0 if none), assuming that a batch
+    that fits means every smaller one fits: double until one does not, then bisect."""
+    if not fits(1):
+        return 0
+    good, bad = 1, None
+    while bad is None and good < cap:
+        trial = min(2 * good, cap)
+        good, bad = (trial, None) if fits(trial) else (good, trial)
+    while bad is not None and bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if fits(middle) else (good, middle)
+    return good
 
 
 def prompt_of_length(length: int, vocab: int = 49152) -> list[int]:
@@ -62,13 +109,45 @@ def prompt_of_length(length: int, vocab: int = 49152) -> list[int]:
 def bench_method(runner: Runner, method: str, prompt: list[int], prefilled, new_tokens: int, batch: int) -> dict:
     overlap = method != WAITED
     name = "specache-1bit" if method == WAITED else method
+    device = runner.model.output.weight.device
     runner.decode(name, prompt, prefilled, 4, batch, overlap)  # warm-up: compiles this method's graphs
-    bandwidth_before = measure_read_bandwidth()
+    bandwidth_before = measure_read_bandwidth(device)
     result = runner.decode(name, prompt, prefilled, new_tokens, batch, overlap)
-    bandwidth = (bandwidth_before + measure_read_bandwidth()) / 2
+    bandwidth = (bandwidth_before + measure_read_bandwidth(device)) / 2
     seconds_per_step = result.decode_seconds / result.decode_steps
     return dict(ms_per_step=1e3 * seconds_per_step, tok_s=batch / seconds_per_step, gbps=result.decode_gbps,
                 bandwidth=bandwidth, fast=result.stats.get("fast_tier_bytes"), slow=result.stats.get("slow_tier_bytes"))
+
+
+def release_caches(model: Transformer) -> None:
+    """Drop every layer's cache, so that the next setup does not have to fit beside it."""
+    for layer in model.layers:
+        layer.attention.kv_cache = None
+    gc.collect()
+    if model.output.weight.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def out_of_memory(error: Exception) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def max_batch(runner: Runner, method: str, prompt: list[int], prefilled, cap: int) -> int:
+    """The largest batch of `prompt` whose cache fits with two decode steps (eager: memory only)."""
+    def fits(batch: int) -> bool:
+        release_caches(runner.model)
+        try:
+            with torch.compiler.set_stance("force_eager"):
+                runner.decode(method, prompt, prefilled, 2, batch)
+            return True
+        except (torch.OutOfMemoryError, RuntimeError) as error:
+            if not out_of_memory(error):
+                raise
+            return False
+        finally:
+            release_caches(runner.model)
+
+    return largest_batch(fits, cap)
 
 
 class TokenClock:
@@ -123,6 +202,16 @@ def table(rows: list[dict], title: str) -> str:
     return "\n".join(lines)
 
 
+def max_batch_table(largest: list[dict], cap: int) -> str:
+    lines = [f"Largest batch that fits (tried up to {cap}) and its decode tok/s:", "",
+             "| context | method | max batch | tok/s | tok/s vs full |", "|---|---|---|---|---|"]
+    full = {r["length"]: r["tok_s"] for r in largest if r["method"] == "full"}
+    for r in largest:
+        ratio = f"{r['tok_s'] / full[r['length']]:.2f}x" if full.get(r["length"]) else "-"
+        lines.append(f"| {r['length']} | {r['method']} | {r['batch']} | {r['tok_s']:.1f} | {ratio} |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -146,54 +235,77 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192, 16384], help="context lengths")
     parser.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS + [WAITED],
-                        choices=list(METHODS) + [WAITED], metavar="METHOD",
-                        help=f"default: {' '.join(DEFAULT_METHODS)} '{WAITED}'")
+    parser.add_argument("--methods", nargs="+", default=None, choices=list(METHODS) + [WAITED], metavar="METHOD",
+                        help=f"default: {' '.join(DEFAULT_METHODS)}, and '{WAITED}' on a GPU")
     parser.add_argument("--new_tokens", type=int, default=32, help="decode steps timed per measurement")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--random_weights", default=None, metavar="NAME", choices=list(transformer_configs),
+                        help="time a model of this shape with random weights instead of the embedded SmolLM2 "
+                             "(speed only; implies --no_hf)")
     parser.add_argument("--topk", type=int, default=64)
+    parser.add_argument("--max_batch", action="store_true",
+                        help="also find each method's largest batch at each length, and its tok/s")
+    parser.add_argument("--max_batch_cap", type=int, default=64, help="the largest batch --max_batch tries")
     parser.add_argument("--no_hf", action="store_true", help="skip HF transformers")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the report files go (default docs/results)")
     args = parser.parse_args()
 
     torch.set_grad_enabled(False)
-    print(f"Read bandwidth at start: {measure_read_bandwidth():.1f} GB/s", file=sys.stderr)
-    checkpoint = prepare_default_checkpoint()
-    dtype = getattr(torch, args.dtype)
-    model = load_model(checkpoint, torch.device("cpu"), dtype)
-    names = [m for m in args.methods if m != WAITED]
-    runner = Runner(model, get_tokenizer(checkpoint.parent), names, topk=args.topk, compile=True, round_capacity=False)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU is visible")
+    methods = args.methods or DEFAULT_METHODS + ([WAITED] if device.type == "cuda" else [])
+    print(f"Read bandwidth at start: {measure_read_bandwidth(device):.1f} GB/s", file=sys.stderr)
+    if args.random_weights:
+        model, tokenizer, model_name = random_model(args.random_weights, device, dtype), NoTokenizer(), \
+            f"{args.random_weights} shape, random weights"
+    else:
+        checkpoint = prepare_default_checkpoint()
+        model, model_name = load_model(checkpoint, device, dtype), "SmolLM2-135M-Instruct"
+        tokenizer = get_tokenizer(checkpoint.parent)
+    names = [m for m in methods if m != WAITED]
+    runner = Runner(model, tokenizer, names, topk=args.topk, compile=True, round_capacity=False)
     hf, hf_methods = None, []
-    if not args.no_hf:
+    if not (args.no_hf or args.random_weights):
         from transformers import AutoModelForCausalLM, GgufConfig
 
         gguf = find_default_gguf()
         hf = AutoModelForCausalLM.from_pretrained(  # dense weights, as ours: no on-the-fly dequantization
-            str(gguf.parent), gguf_file=gguf.name, dtype=dtype, quantization_config=GgufConfig(dequantize=True)).eval()
+            str(gguf.parent), gguf_file=gguf.name, dtype=dtype, quantization_config=GgufConfig(dequantize=True))
+        hf = hf.to(device).eval()
         hf_methods = [("HF DynamicCache", None)]
         if quanto_available():
             hf_methods.append(("HF QuantizedCache (quanto 2-bit)", "quantized"))
         else:
             print("optimum-quanto is not installed: HF QuantizedCache skipped", file=sys.stderr)
-    rows = []
+    rows, largest = [], []
     for length in args.lengths:
-        prompt = prompt_of_length(length)
+        prompt = prompt_of_length(length, model.config.vocab_size)
         prefilled = runner.prefill(prompt, args.new_tokens)
         for batch in args.batch_sizes:
-            for method in args.methods:
+            for method in methods:
                 measured = bench_method(runner, method, prompt, prefilled, args.new_tokens, batch)
                 rows.append(dict(length=length, batch=batch, method=method, prefill=prefilled.seconds, **measured))
                 print(f"  {length} x{batch} {method}: {measured['ms_per_step']:.1f} ms/step", file=sys.stderr)
+        for method in names if args.max_batch else []:
+            batch = max_batch(runner, method, prompt, prefilled, args.max_batch_cap)
+            measured = bench_method(runner, method, prompt, prefilled, args.new_tokens, batch) if batch else {}
+            largest.append(dict(length=length, method=method, batch=batch, tok_s=measured.get("tok_s", 0.0)))
+            print(f"  {length} {method}: max batch {batch}", file=sys.stderr)
+            release_caches(model)
         for name, implementation in hf_methods:
             step_bytes = weight_bytes(model) + kv_bytes_per_position(model) * (length + args.new_tokens // 2)
             measured = bench_hf(hf, prompt, args.new_tokens, step_bytes, implementation)
             rows.append(dict(length=length, batch=1, method=name, **measured))
             print(f"  {length} x1 {name}: {measured['ms_per_step']:.1f} ms/step", file=sys.stderr)
-    markdown = table(rows, f"SmolLM2-135M-Instruct, {args.dtype}, greedy, {args.new_tokens} decode steps, compiled "
-                           f"(ours), k = {args.topk}, {torch.get_num_threads()} threads. Prefill: ours, batch 1, "
-                           "shared by our methods; HF's own.")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
+    markdown = table(rows, f"{model_name}, {args.dtype}, greedy, {args.new_tokens} decode steps, compiled (ours), "
+                           f"k = {args.topk}, {where}. Prefill: ours, batch 1, shared by our methods; HF's own.")
+    if largest:
+        markdown += "\n\n" + max_batch_table(largest, args.max_batch_cap)
     print(markdown)
-    write_report(args.out, "bench", markdown + "\n\n![ms per step](bench.png)", dict(rows=rows))
+    write_report(args.out, "bench", markdown + "\n\n![ms per step](bench.png)", dict(rows=rows, max_batch=largest))
     plot(rows, args.out / "bench.png")
 
 

@@ -93,8 +93,9 @@ class Runner:
         self.stop_ids = frozenset(tokenizer.stop_ids)
         self.compiled = compile
         self.capacity_step = 1024 if compile and round_capacity else 1
-        if compile:
-            compile_decode(model)
+        if compile:  # the non-speculative baseline's synchronous fetch breaks the graph on a GPU
+            on_gpu = model.output.weight.device.type == "cuda"
+            compile_decode(model, fullgraph=not (on_gpu and any("nospec" in m for m in methods)))
 
     def budget(self, capacity: int) -> int:
         return equal_budget_tokens(self.model, capacity, SpeCacheConfig(bits=self.budget_bits, topk=self.topk))

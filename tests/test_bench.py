@@ -1,0 +1,53 @@
+"""scripts/bench.py's parts that decide figures: the largest-batch search and the report tables."""
+import pytest
+
+from conftest import tiny_model
+from scripts.bench import NoTokenizer, largest_batch, max_batch, max_batch_table, release_caches, table
+from scripts.harness import Runner
+
+
+@pytest.mark.parametrize("limit", [0, 1, 2, 3, 7, 8, 9, 40, 64, 100])
+def test_largest_batch_finds_the_limit_in_few_tries(limit):
+    tried = []
+
+    def fits(batch):
+        tried.append(batch)
+        return batch <= limit
+
+    assert largest_batch(fits, cap=64) == min(limit, 64)
+    assert len(tried) <= 2 * 7 + 1 and max(tried) <= 64
+
+
+def test_max_batch_stops_where_memory_runs_out(monkeypatch):
+    runner = Runner(tiny_model(), NoTokenizer(), ["full"])
+    prompt = list(range(40))
+    prefilled = runner.prefill(prompt, 4)
+    real_decode = runner.decode
+
+    def decode(method, prompt, prefilled, new_tokens, batch_size=1, overlap_fetch=True):
+        if batch_size > 5:
+            raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate... out of memory")
+        return real_decode(method, prompt, prefilled, new_tokens, batch_size, overlap_fetch)
+
+    monkeypatch.setattr(runner, "decode", decode)
+    assert max_batch(runner, "full", prompt, prefilled, cap=16) == 5
+    assert all(layer.attention.kv_cache is None for layer in runner.model.layers)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug, not a lack of memory")
+
+    monkeypatch.setattr(runner, "decode", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        max_batch(runner, "full", prompt, prefilled, cap=16)
+    release_caches(runner.model)
+
+
+def test_tables_give_ratios_to_the_full_cache_of_the_same_run():
+    row = dict(prefill=1.0, gbps=10.0, bandwidth=20.0, fast=None, slow=None)
+    rows = [dict(row, length=1024, batch=1, method="full", ms_per_step=50.0, tok_s=20.0),
+            dict(row, length=1024, batch=1, method="specache-1bit", ms_per_step=40.0, tok_s=25.0, fast=2e6, slow=9e6)]
+    text = table(rows, "title")
+    assert "| 1024 | 1 | specache-1bit | 1.0 | 40.0 | 25.0 | 10.0 | 50% | 2.0 | 9.0 | 1.25x |" in text
+    largest = [dict(length=32768, method="full", batch=3, tok_s=10.0),
+               dict(length=32768, method="specache-1bit", batch=36, tok_s=47.0)]
+    assert "| 32768 | specache-1bit | 36 | 47.0 | 4.70x |" in max_batch_table(largest, 64)
