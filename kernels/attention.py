@@ -9,8 +9,8 @@ attend over four segments of one sequence's history:
 - the new rows themselves, causally (the real row does not see the speculative row's key).
 
 All four share one softmax. The low-bit segment is computed apart (`lowbit_partial_attention`: on a
-CPU the C kernel of kernels/lowbit_cpu.py, elsewhere `key_scores` and `value_mix` below, which
-torch.compile fuses) and merged with the 16-bit segments by the log-sum-exp rule. Besides the
+CPU the C kernel of kernels/lowbit_cpu.py, on a GPU the Triton kernels of kernels/lowbit_triton.py,
+elsewhere `key_scores` and `value_mix` below, which torch.compile fuses) and merged with the 16-bit segments by the log-sum-exp rule. Besides the
 output, the attention returns how much weight each position of the history got from the last new
 row (the fetched and window ones with their 16-bit weight), averaged over the query heads that share
 a KV head (GQA): the speculative row's weights choose the next kappa (the only row's, without
@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from kernels import lowbit_cpu
+from kernels import lowbit_cpu, lowbit_triton
 from kernels.quant import dequantize_keys, dequantize_values, unpack_bits
 
 
@@ -113,19 +113,23 @@ def lowbit_partial_attention(rows: Tensor, kv: LowBitKV, visible_len: Tensor, ex
     """The softmax pieces of rows (B, Hkv, M, D, already scaled) over the low-bit copy's positions
     [0, visible_len) less the valid excluded ones: weights exp(score - row_max) (B, Hkv, M, T),
     row_max and row_sum (B, Hkv, M), and the unnormalized output (B, Hkv, M, D); see
-    kernels/lowbit_cpu.py, whose reference is the spec. The C kernel on a CPU; elsewhere (or without
-    a C compiler, or for head dims and groups it does not cover) the scale-folding einsums above."""
+    kernels/lowbit_cpu.py, whose reference is the spec. The C kernel on a CPU, the Triton kernels of
+    kernels/lowbit_triton.py on a GPU; elsewhere (no C compiler or Triton, or head dims and groups
+    they do not cover) the scale-folding einsums above."""
     d = rows.shape[-1]
     kernel_shape = d % 16 == 0 and d <= lowbit_cpu.MAX_HEAD_DIM and kv.group % 8 == 0
     if rows.device.type == "cpu" and kernel_shape and lowbit_cpu.available():
         return torch.ops.specache.lowbit_partial_attention(rows, *kv[:6], kv.bits, kv.group, visible_len,
                                                            excluded_pos, excluded_valid)
+    if rows.is_cuda and lowbit_triton.available() and lowbit_triton.supports(rows, kv.bits, kv.group):
+        return torch.ops.specache.lowbit_partial_attention_triton(rows, *kv[:6], kv.bits, kv.group, visible_len,
+                                                                  excluded_pos, excluded_valid)
     return lowbit_partial_attention_torch(rows, kv, visible_len, excluded_pos, excluded_valid)
 
 
 def lowbit_partial_attention_torch(rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor,
                                    excluded_valid: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """lowbit_partial_attention from `key_scores` and `value_mix` (the GPU path until a Triton kernel)."""
+    """lowbit_partial_attention from `key_scores` and `value_mix` (where neither kernel runs)."""
     t = kv.k_packed.shape[2]
     excluded = torch.zeros(excluded_pos.shape[:2] + (t,), dtype=torch.bool, device=rows.device)
     excluded = excluded.scatter(-1, excluded_pos.clamp(0, t - 1), excluded_valid & (excluded_pos < t))

@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -132,14 +132,18 @@ class Runner:
 
     @torch.no_grad()
     def decode(self, method: str, prompt: list[int], prefilled: Prefilled, max_new_tokens: int,
-               batch_size: int = 1, overlap_fetch: bool = True) -> GenerationResult:
+               batch_size: int = 1, overlap_fetch: bool = True,
+               callback: Optional[Callable[[Tensor], None]] = None) -> GenerationResult:
         """Load the recorded prompt into `method`'s cache (`batch_size` copies of it) and decode
-        from the first token. `overlap_fetch=False`: SpeCache on a GPU waits for each fetch as it starts."""
+        from the first token. `overlap_fetch=False`: SpeCache on a GPU waits for each fetch as it starts.
+        `callback` gets each new token (B, 1), the first one included, as generate's does."""
         model, capacity = self.model, self.capacity(prompt, max_new_tokens)
         prompts, lengths = [prompt] * batch_size, [len(prompt)] * batch_size
         copies = [(rec.k.expand(batch_size, -1, -1, -1), rec.v.expand(batch_size, -1, -1, -1),
                    None if rec.mass is None else rec.mass * batch_size) for rec in prefilled.recorders]
         common = dict(stop_ids=self.stop_ids, temperature=0, first_token=prefilled.first.expand(batch_size, 1))
+        if callback is not None:
+            common["callback"] = callback
         if method == "full":
             model.setup_caches(batch_size, capacity)
             for layer, (k, v, _) in zip(model.layers, copies):

@@ -1,0 +1,89 @@
+"""The Triton kernels of the low-bit segment against the reference (kernels/lowbit_cpu.py's spec).
+
+On a GPU they run for real (scripts/gpu_check.sh); on a CPU with Triton installed they run in
+Triton's interpreter, in a subprocess (TRITON_INTERPRET must be set before the kernels are
+defined); without Triton these tests are skipped.
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+
+# (KV heads, rows, head_dim, T, visible, excluded per head): SmolLM2 and Llama-3-8B decode shapes,
+# T neither a multiple of the block nor of the group, nothing excluded (KIVI), nothing visible.
+CASES = [(3, 6, 64, 1000, 930, 64), (8, 8, 128, 200, 200, 16), (2, 3, 64, 130, 64, 0), (2, 6, 64, 64, 0, 8)]
+
+
+def check_all(device: str) -> None:
+    from kernels.attention import LowBitKV
+    from kernels.lowbit_cpu import lowbit_partial_attention_reference
+    from kernels.lowbit_triton import run_kernels
+    from kernels.quant import quantize_keys, quantize_values
+
+    for bits in (1, 2):
+        for n_kv, m, d, t, visible, k in CASES:
+            g = torch.Generator().manual_seed(t + bits)
+            group = 64
+            padded = -(-t // group) * group
+            keys = torch.randn(2, n_kv, padded, d, generator=g) * torch.linspace(0.2, 3, d)
+            values = torch.randn(2, n_kv, t, d, generator=g)
+            k_packed, k_scale, k_zero = quantize_keys(keys, bits, group, torch.float16)
+            kv = LowBitKV(k_packed[:, :, :t].contiguous(), k_scale, k_zero,
+                          *quantize_values(values, bits, group, torch.float16), bits, group)
+            rows = torch.randn(2, n_kv, m, d, generator=g) * d ** -0.5
+            visible_len = torch.tensor([visible, max(0, visible - 17)])
+            excluded = torch.stack([torch.randperm(t, generator=g)[:k] for _ in range(2 * n_kv)]).view(2, n_kv, k)
+            excluded_valid = torch.rand(2, n_kv, k, generator=g) < 0.8
+            expected = lowbit_partial_attention_reference(rows, kv, visible_len, excluded, excluded_valid)
+            moved = [x.to(device) for x in (rows, *kv[:6])]
+            got = run_kernels(*moved, bits, group, visible_len.to(device), excluded.to(device),
+                              excluded_valid.to(device))
+            for name, a, b in zip(("weights", "row_max", "row_sum", "out"), got, expected):
+                finite = b.isfinite()
+                assert torch.equal(a.cpu().isfinite(), finite), (name, bits, t)
+                scale = b[finite].abs().max().item() if finite.any() else 1.0
+                torch.testing.assert_close(a.cpu()[finite], b[finite], rtol=1e-4, atol=1e-5 * scale,
+                                           msg=lambda text: f"{name}, bits {bits}, T {t}: {text}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_kernels_match_the_reference_on_cuda():
+    check_all("cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mixed_attention_on_cuda_dispatches_to_triton(monkeypatch):
+    from kernels import lowbit_triton
+    from kernels.attention import lowbit_partial_attention
+
+    calls = []
+    real = lowbit_triton.run_kernels
+    monkeypatch.setattr(lowbit_triton, "run_kernels", lambda *args: calls.append(1) or real(*args))
+    from kernels.attention import LowBitKV
+    from kernels.quant import quantize_keys, quantize_values
+
+    keys, values = torch.randn(1, 2, 128, 64), torch.randn(1, 2, 128, 64)
+    kv = LowBitKV(*quantize_keys(keys, 1, 64, torch.float16), *quantize_values(values, 1, 64, torch.float16), 1, 64)
+    kv = LowBitKV(*(x.cuda() for x in kv[:6]), 1, 64)
+    lowbit_partial_attention(torch.randn(1, 2, 4, 64, device="cuda"), kv, torch.tensor([100], device="cuda"),
+                             torch.zeros(1, 2, 8, dtype=torch.long, device="cuda"),
+                             torch.ones(1, 2, 8, dtype=torch.bool, device="cuda"))
+    assert calls
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels run for real")
+def test_triton_kernels_match_the_reference_in_the_interpreter():
+    script = "import sys; sys.path.insert(0, 'tests'); import test_lowbit_triton as t; t.check_all('cpu')"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
