@@ -443,6 +443,22 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def print_so_far(tokenizer: Tokenizer, prompts_text: list[str], so_far: list[list[list[int]]], streamed: bool,
+                 as_json: bool) -> None:
+    """After Ctrl-C: what each sequence had generated (a streamed one is on the screen already)."""
+    if streamed:
+        print(flush=True)
+        return
+    new = [[step[b][0] for step in so_far] for b in range(len(prompts_text))]
+    cut = cut_at_stop(new, frozenset(tokenizer.stop_ids))
+    if as_json:
+        print(json.dumps({"texts": [tokenizer.decode(t) for t in cut], "new_tokens": [len(t) for t in cut],
+                          "interrupted": True}), flush=True)
+    else:
+        for text, tokens in zip(prompts_text, cut):
+            print(text + tokenizer.decode(tokens), flush=True)
+
+
 def run(args: argparse.Namespace) -> None:
     validate_args(args)
     device = pick_device(args.device)
@@ -502,23 +518,34 @@ def run(args: argparse.Namespace) -> None:
     for i in runs:
         if i == -1:
             log("Compiling (warm-up run)...")
-        callback = TextStream(tokenizer) if stream and i >= 0 else (lambda tokens: None)
+        text_stream = TextStream(tokenizer) if stream and i >= 0 else (lambda tokens: None)
         if stream and i >= 0:
             print(prompts_text[0], end="", flush=True)
+        so_far = []  # the new tokens, for Ctrl-C
+
+        def callback(tokens: Tensor) -> None:
+            so_far.append(tokens.tolist())
+            text_stream(tokens)
+
         t0 = time.perf_counter()
         sampling = dict(stop_ids=frozenset(tokenizer.stop_ids), temperature=args.temperature, top_k=args.top_k,
                         callback=callback)
-        if eviction_state is not None:
-            from eviction import eviction_generate
+        try:
+            if eviction_state is not None:
+                from eviction import eviction_generate
 
-            result = eviction_generate(model, eviction_state, prompts, max_new_tokens, **sampling)
-        elif state is None:
-            result = generate(model, prompts, max_new_tokens, compile_prefill=args.compile_prefill,
-                              use_flex=use_flex, **sampling)
-        else:
-            from specache import specache_generate
+                result = eviction_generate(model, eviction_state, prompts, max_new_tokens, **sampling)
+            elif state is None:
+                result = generate(model, prompts, max_new_tokens, compile_prefill=args.compile_prefill,
+                                  use_flex=use_flex, **sampling)
+            else:
+                from specache import specache_generate
 
-            result = specache_generate(model, state, prompts, max_new_tokens, **sampling)
+                result = specache_generate(model, state, prompts, max_new_tokens, **sampling)
+        except KeyboardInterrupt:
+            if i >= 0:
+                print_so_far(tokenizer, prompts_text, so_far, streamed=stream, as_json=args.json)
+            raise
         if i == -1:
             log(f"Compilation and warm-up took {time.perf_counter() - t0:.1f} s")
             continue

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_hf_model
+import generate as generate_module
 from generate import main
 from scripts.convert_hf_checkpoint import convert_hf_checkpoint
 
@@ -36,6 +37,11 @@ def tiny_checkpoint(tmp_path_factory):
 def test_missing_checkpoint(capsys, tmp_path):
     code, _, err = run_cli(capsys, "--checkpoint", str(tmp_path / "nope" / "model.pth"))
     assert_one_line_error(code, err, "not found")
+
+
+def test_debug_raises_with_the_traceback_instead(tmp_path):
+    with pytest.raises(generate_module.UserError, match="not found"):
+        main(["--checkpoint", str(tmp_path / "nope" / "model.pth"), "--debug"])
 
 
 def test_directory_without_model_pth(capsys, tmp_path):
@@ -179,3 +185,34 @@ def test_eviction_caches_run_and_report_their_budget(capsys, smollm2_checkpoint,
     # so the answer is the full cache's.
     assert result["cache"] == cache and result["budget_tokens"] >= result["prompt_tokens"][0] + 4
     assert "Paris" in result["texts"][0]
+
+
+@pytest.mark.parametrize("extra", [[], ["--batch_size", "2"], ["--json"], ["--specache", "--batch_size", "2"]])
+def test_ctrl_c_during_decode_prints_what_was_generated(capsys, smollm2_checkpoint, monkeypatch, extra):
+    argv = ["--prompt", "One, two, three,", "--temperature", "0", *extra]
+    code, whole, err = run_cli(capsys, *argv, "--max_new_tokens", "4")
+    assert code == 0, err
+    import specache
+
+    def interrupt_after_four_tokens(real):
+        def wrapped(*args, callback, **kwargs):
+            seen = []
+
+            def ctrl_c(tokens):
+                callback(tokens)
+                seen.append(tokens)
+                if len(seen) == 4:
+                    raise KeyboardInterrupt
+
+            return real(*args, callback=ctrl_c, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(generate_module, "generate", interrupt_after_four_tokens(generate_module.generate))
+    monkeypatch.setattr(specache, "specache_generate", interrupt_after_four_tokens(specache.specache_generate))
+    code, out, err = run_cli(capsys, *argv, "--max_new_tokens", "50")
+    assert code == 130 and "[interrupted]" in err and "Traceback" not in err
+    if "--json" in extra:
+        partial, finished = json.loads(out), json.loads(whole)
+        assert partial["interrupted"] and partial["texts"] == finished["texts"]
+    else:
+        assert out.strip() == whole.strip()

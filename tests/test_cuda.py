@@ -87,3 +87,15 @@ def test_full_cache_flex_decode_on_cuda_matches_cpu():
     compile_decode(model)
     assert generate(model, prompts, 40, temperature=0, use_flex=True).tokens == expected
     torch._dynamo.reset()
+
+
+def test_an_error_in_the_fetch_worker_surfaces_within_one_step(monkeypatch):
+    def broken(self, ready):
+        raise RuntimeError("injected fetch failure")
+
+    monkeypatch.setattr(specache.PairFetcher, "_fetch", broken)
+    model, prompts, tokens_seen = tiny_model().cuda(), prompts_of(50), []
+    state = setup_specache(model, 1, 80, SpeCacheConfig(topk=8, **SMALL))
+    with pytest.raises(RuntimeError, match="injected fetch failure"):
+        specache_generate(model, state, prompts, 20, temperature=0, callback=tokens_seen.append)
+    assert len(tokens_seen) == 1  # the bootstrap step started the fetches; the first decode step waited on them
