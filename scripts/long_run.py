@@ -142,7 +142,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="compile the decode steps")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the report goes (default docs/results)")
     args = parser.parse_args()
-    if args.prompt_tokens < 1 or args.window < 1 or args.runs < 1 or (args.new_tokens or 1) < 2:
+    too_few_new = args.new_tokens is not None and args.new_tokens < 2
+    if args.prompt_tokens < 1 or args.window < 1 or args.runs < 1 or too_few_new:
         parser.error("--prompt_tokens, --window and --runs must be positive, --new_tokens at least 2")
     args.methods = ["full"] + args.methods
     args.budget_bits = 1

@@ -3,8 +3,8 @@
     python scripts/results_page.py            # rebuild the page from the reports already there
     python scripts/results_page.py --run      # rerun every evaluation first (defaults; ~1 h on a 2-core CPU)
 
-Each report (`{name}.md`) starts with the command that produced it; needle.py, ruler.py and
-longbench.py write them (scripts/harness.py: write_report).
+Each report (`{name}.md`) starts with the command that produced it; needle.py, ruler.py,
+longbench.py, bench.py and long_run.py write them (scripts/harness.py: write_report).
 """
 import argparse
 import platform
@@ -29,6 +29,11 @@ SECTIONS = [
      "SmolLM2's trained context is 8k, so 16k measures speed only."),
     ("longbench", "LongBench v1 (English and code)", "scripts/longbench.py",
      "The 16 English and code tasks with the official prompts, truncation and metrics; data from the hub."),
+    ("long_run_drift", "Long generations: drift", "scripts/long_run.py drift",
+     "A 2k-token essay continued for 1000 tokens. Agreement is teacher-forced: how often the method's token is "
+     "the one the full cache would pick after the same text, per window; a drifting cache would decay."),
+    ("long_run_memory", "Long generations: memory", "scripts/long_run.py memory",
+     "Repeated generations in one process: resident memory and fast-tier bytes after each."),
 ]
 
 
