@@ -179,7 +179,7 @@ def setup_eviction(model: Transformer, batch_size: int, max_seq_length: int, con
     """Replace every layer's cache with an eviction cache of `config.budget` tokens."""
     config.validate()
     c = model.config
-    device, model_dtype = model.output.weight.device, model.output.weight.dtype
+    device, model_dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
     dtype = config.pair_dtype or sixteen_bit_dtype(model_dtype)
     state = EvictionState(config, batch_size)
     for layer in model.layers:
@@ -194,7 +194,7 @@ def equal_budget_tokens(model: Transformer, capacity: int, specache_config: "Spe
     from specache import SpeCacheLayer, SpeCacheState
 
     c = model.config
-    dtype = specache_config.pair_dtype_for(model.output.weight.dtype)
+    dtype = specache_config.pair_dtype_for(model.tok_embeddings.weight.dtype)
     capacity = -(-capacity // specache_config.group) * specache_config.group
     meta = torch.device("meta")  # sizes only: nothing is allocated
     layer = SpeCacheLayer(SpeCacheState(specache_config, 1, capacity, meta), c.n_local_heads, c.head_dim, dtype,

@@ -121,9 +121,13 @@ class GenerationResult:
 
 
 def weight_bytes(model: Transformer) -> int:
-    """Bytes of weights a decode step reads (the embedding table only if it is tied to the head)."""
+    """Bytes of weights a decode step reads (the embedding table only if it is the head's weight too;
+    quantized Linears count their codes, scales and zeros)."""
+    from quantize import Int4Linear, Int8Linear
+
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not model.config.tie_embeddings:
+    total += sum(m.bytes_read() for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear)))
+    if model.output.weight is not model.tok_embeddings.weight:
         emb = model.tok_embeddings.weight
         total -= emb.numel() * emb.element_size()
     return total
@@ -131,7 +135,7 @@ def weight_bytes(model: Transformer) -> int:
 
 def kv_bytes_per_position(model: Transformer) -> int:
     c = model.config
-    return 2 * c.n_layer * c.n_local_heads * c.head_dim * model.output.weight.element_size()
+    return 2 * c.n_layer * c.n_local_heads * c.head_dim * model.tok_embeddings.weight.element_size()
 
 
 def _sync(device: torch.device) -> None:
@@ -152,7 +156,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     With `first_token` (B, 1), the caches already hold the prompts (a prefill shared by several
     caches, see scripts/harness.py) and decoding starts from it.
     """
-    device = model.output.weight.device
+    device = model.tok_embeddings.weight.device
     tokens, lengths = pad_prompts(prompts, device)
     sampling = dict(temperature=temperature, top_k=top_k)
 
@@ -234,7 +238,7 @@ def load_state_dict(path: Path) -> dict:
 def check_state_dict(model: Transformer, state_dict: dict, path: Path) -> None:
     """Name the first missing, unexpected or wrong-shape tensor before load_state_dict would."""
     expected = {k: v.shape for k, v in model.state_dict().items()}
-    if model.config.tie_embeddings:
+    if model.config.tie_embeddings and isinstance(model.output, torch.nn.Linear):
         expected.pop("output.weight")
         state_dict = {k: v for k, v in state_dict.items() if k != "output.weight"}
     for key, shape in expected.items():
@@ -251,18 +255,29 @@ def check_state_dict(model: Transformer, state_dict: dict, path: Path) -> None:
 
 
 def load_model(checkpoint_path: Path, device: torch.device, dtype: torch.dtype) -> Transformer:
+    """The model of a checkpoint: model.pth, or quantize.py's model_int8.pth / model_int4.g<N>.pth."""
+    from quantize import pack_int4, parse_quantized_name, replace_linears
+
     try:
         config = ModelArgs.for_checkpoint(checkpoint_path)
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         raise UserError(f"model config for {checkpoint_path}: {e}") from e
+    quantized = parse_quantized_name(checkpoint_path)
     with torch.device("meta"):
         model = Transformer(config)
+        if quantized:
+            try:
+                replace_linears(model, *quantized)
+            except ValueError as e:
+                raise UserError(f"{checkpoint_path}: {e}") from e
     state_dict = load_state_dict(checkpoint_path)
     check_state_dict(model, state_dict, checkpoint_path)
     model.load_state_dict(state_dict, assign=True)
-    if config.tie_embeddings:
+    if config.tie_embeddings and not quantized:  # a quantized head is its own copy (quantize.py)
         model.output.weight = model.tok_embeddings.weight
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    pack_int4(model)
+    return model
 
 
 def load_tokenizer(checkpoint_path: Path, model: Transformer) -> Tokenizer:

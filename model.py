@@ -314,7 +314,7 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"this model uses sliding-window attention (window {self.config.sliding_window}), which is not "
                 f"implemented; keep prompt + new tokens within {self.config.sliding_window}")
-        device, dtype = self.output.weight.device, self.output.weight.dtype
+        device, dtype = self.tok_embeddings.weight.device, self.tok_embeddings.weight.dtype
         max_seq_length = find_multiple(max_seq_length, FLEX_BLOCK_SIZE)
         self.max_seq_length = max_seq_length
         self.max_batch_size = max_batch_size
@@ -324,7 +324,7 @@ class Transformer(nn.Module):
         self.setup_rope(max_seq_length)
 
     def setup_rope(self, max_seq_length: int) -> None:
-        device = self.output.weight.device
+        device = self.tok_embeddings.weight.device
         self.freqs_cis = precompute_freqs_cis(max_seq_length, self.config.head_dim, self.config.rope_base,
                                               self.config.rope_scaling).to(device)
 

@@ -403,7 +403,7 @@ def setup_specache(model: Transformer, batch_size: int, max_seq_length: int, con
     c = model.config
     config.validate(c.head_dim)
     capacity = -(-max_seq_length // config.group) * config.group
-    device, dtype = model.output.weight.device, config.pair_dtype_for(model.output.weight.dtype)
+    device, dtype = model.tok_embeddings.weight.device, config.pair_dtype_for(model.tok_embeddings.weight.dtype)
     state = SpeCacheState(config, batch_size, capacity, device)
     if device.type == "cpu":
         lowbit_cpu.available()  # builds the C kernel now (once per machine), not while torch.compile traces

@@ -110,7 +110,7 @@ def prompt_of_length(length: int, vocab: int = 49152) -> list[int]:
 def bench_method(runner: Runner, method: str, prompt: list[int], prefilled, new_tokens: int, batch: int) -> dict:
     overlap = method != WAITED
     name = "specache-1bit" if method == WAITED else method
-    device = runner.model.output.weight.device
+    device = runner.model.tok_embeddings.weight.device
     runner.decode(name, prompt, prefilled, 4, batch, overlap)  # warm-up: compiles this method's graphs
     bandwidth_before = measure_read_bandwidth(device)
     token_times = []  # the decode loops read each token back, so these times are the steps' on a GPU too
@@ -128,7 +128,7 @@ def release_caches(model: Transformer) -> None:
     for layer in model.layers:
         layer.attention.kv_cache = None
     gc.collect()
-    if model.output.weight.device.type == "cuda":
+    if model.tok_embeddings.weight.device.type == "cuda":
         torch.cuda.empty_cache()
 
 
@@ -195,7 +195,11 @@ def quanto_available() -> bool:
 def table(rows: list[dict], title: str) -> str:
     lines = [title, "", "| context | batch | method | prefill s | decode ms/step | tok/s | GB/s | % of bw | fast-tier KV MB "
              "| slow-tier KV MB | tok/s vs full |", "|---" * 11 + "|"]
-    full = {(r["length"], r["batch"]): r["tok_s"] for r in rows if r["method"] == "full"}
+    rows = sorted(rows, key=lambda r: (r["length"], r["batch"]))  # stable: methods keep their order
+    full = {}  # the first full cache's (the first checkpoint's when there are several)
+    for r in rows:
+        if r["method"].split(" [")[0] == "full":
+            full.setdefault((r["length"], r["batch"]), r["tok_s"])
     for r in rows:
         full_tok_s = full.get((r["length"], r["batch"]))
         ratio = "-" if full_tok_s is None else f"{r['tok_s'] / full_tok_s:.2f}x"
@@ -244,6 +248,10 @@ def main() -> None:
     parser.add_argument("--new_tokens", type=int, default=32, help="decode steps timed per measurement")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--checkpoint", type=Path, nargs="+", default=None,
+                        help="model.pth, or quantize.py's model_int8.pth / model_int4.g<N>.pth; several are timed "
+                             "one after the other, each row naming its file, ratios to the first one's full cache "
+                             "(default: the embedded SmolLM2; HF rows only for that)")
     parser.add_argument("--random_weights", default=None, metavar="NAME", choices=list(transformer_configs),
                         help="time a model of this shape with random weights instead of the embedded SmolLM2 "
                              "(speed only; implies --no_hf)")
@@ -261,17 +269,14 @@ def main() -> None:
         parser.error("--device cuda: no CUDA GPU is visible")
     methods = args.methods or DEFAULT_METHODS + ([WAITED] if device.type == "cuda" else [])
     print(f"Read bandwidth at start: {measure_read_bandwidth(device):.1f} GB/s", file=sys.stderr)
-    if args.random_weights:
-        model, tokenizer, model_name = random_model(args.random_weights, device, dtype), NoTokenizer(), \
-            f"{args.random_weights} shape, random weights"
-    else:
-        checkpoint = prepare_default_checkpoint()
-        model, model_name = load_model(checkpoint, device, dtype), "SmolLM2-135M-Instruct"
-        tokenizer = get_tokenizer(checkpoint.parent)
     names = [m for m in methods if m != WAITED]
-    runner = Runner(model, tokenizer, names, topk=args.topk, compile=True, round_capacity=False)
+    if args.random_weights:
+        model_name, checkpoints = f"{args.random_weights} shape, random weights", [None]
+    else:
+        checkpoints = args.checkpoint or [prepare_default_checkpoint()]
+        model_name = ", ".join(f"{c.parent.name}/{c.name}" for c in checkpoints)
     hf, hf_methods = None, []
-    if not (args.no_hf or args.random_weights):
+    if not (args.no_hf or args.random_weights or args.checkpoint):
         from transformers import AutoModelForCausalLM, GgufConfig
 
         gguf = find_default_gguf()
@@ -284,14 +289,26 @@ def main() -> None:
         else:
             print("optimum-quanto is not installed: HF QuantizedCache skipped", file=sys.stderr)
     rows, largest = [], []
-    for length in args.lengths:
+    for checkpoint in checkpoints:
+        if checkpoint is None:
+            model, tokenizer = random_model(args.random_weights, device, dtype), NoTokenizer()
+        else:
+            model, tokenizer = load_model(checkpoint, device, dtype), get_tokenizer(checkpoint.parent)
+        runner = Runner(model, tokenizer, names, topk=args.topk, compile=True, round_capacity=False)
+        label = f" [{checkpoint.name}]" if len(checkpoints) > 1 else ""
+        for length in args.lengths:
+            prompt = prompt_of_length(length, model.config.vocab_size)
+            prefilled = runner.prefill(prompt, args.new_tokens)
+            for batch in args.batch_sizes:
+                for method in methods:
+                    measured = bench_method(runner, method, prompt, prefilled, args.new_tokens, batch)
+                    rows.append(dict(length=length, batch=batch, method=method + label, prefill=prefilled.seconds,
+                                     **measured))
+                    print(f"  {length} x{batch} {method}{label}: {measured['ms_per_step']:.1f} ms/step",
+                          file=sys.stderr)
+    for length in args.lengths if args.max_batch or hf_methods else []:  # the last checkpoint's model
         prompt = prompt_of_length(length, model.config.vocab_size)
-        prefilled = runner.prefill(prompt, args.new_tokens)
-        for batch in args.batch_sizes:
-            for method in methods:
-                measured = bench_method(runner, method, prompt, prefilled, args.new_tokens, batch)
-                rows.append(dict(length=length, batch=batch, method=method, prefill=prefilled.seconds, **measured))
-                print(f"  {length} x{batch} {method}: {measured['ms_per_step']:.1f} ms/step", file=sys.stderr)
+        prefilled = runner.prefill(prompt, args.new_tokens) if args.max_batch else None
         for method in names if args.max_batch else []:
             batch = max_batch(runner, method, prompt, prefilled, args.max_batch_cap)
             measured = bench_method(runner, method, prompt, prefilled, args.new_tokens, batch) if batch else {}

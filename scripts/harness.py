@@ -94,7 +94,7 @@ class Runner:
         self.compiled = compile
         self.capacity_step = 1024 if compile and round_capacity else 1
         if compile:  # the non-speculative baseline's synchronous fetch breaks the graph on a GPU
-            on_gpu = model.output.weight.device.type == "cuda"
+            on_gpu = model.tok_embeddings.weight.device.type == "cuda"
             compile_decode(model, fullgraph=not (on_gpu and any("nospec" in m for m in methods)))
 
     def budget(self, capacity: int) -> int:
@@ -123,7 +123,7 @@ class Runner:
         for layer, recorder in zip(model.layers, recorders):
             layer.attention.kv_cache = recorder
         model.setup_rope(self.capacity(prompt, max_new_tokens) + 1)
-        device = model.output.weight.device
+        device = model.tok_embeddings.weight.device
         t0 = time.perf_counter()
         with torch.compiler.set_stance("force_eager"):
             first = prefill(model, torch.tensor([prompt], device=device), torch.tensor([len(prompt)], device=device),
@@ -148,7 +148,7 @@ class Runner:
             model.setup_caches(batch_size, capacity)
             for layer, (k, v, _) in zip(model.layers, copies):
                 layer.attention.kv_cache.ingest_prompt(k, v)
-            use_flex = self.compiled and flex_attention_available(model.output.weight.device)
+            use_flex = self.compiled and flex_attention_available(model.tok_embeddings.weight.device)
             return generate(model, prompts, max_new_tokens, use_flex=use_flex, **common)
         if method in ("streaming", "h2o"):
             # SpeCache's fast tier at the true length: a capacity rounded up for --compile would inflate it

@@ -36,7 +36,7 @@ from scripts.haystack import haystack_tokens  # noqa: E402
 
 def full_cache_choices(model: Transformer, prompt: list[int], generated: list[int]) -> list[int]:
     """The full-precision model's greedy choice at each generated position, given the text before it."""
-    tokens = torch.tensor([prompt + generated], device=model.output.weight.device)
+    tokens = torch.tensor([prompt + generated], device=model.tok_embeddings.weight.device)
     model.setup_caches(1, tokens.shape[1])
     positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
     wanted = torch.arange(len(prompt) - 1, tokens.shape[1] - 1, device=tokens.device).unsqueeze(0)

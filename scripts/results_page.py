@@ -29,6 +29,15 @@ SECTIONS = [
      "SmolLM2's trained context is 8k, so 16k measures speed only."),
     ("longbench", "LongBench v1 (English and code)", "scripts/longbench.py",
      "The 16 English and code tasks with the official prompts, truncation and metrics; data from the hub."),
+    ("quantized/bench", "Weight quantization: decode speed", "scripts/bench.py --checkpoint ...",
+     "The float checkpoint and quantize.py's int8 and int4 (groups of 32) files, each with the full cache and "
+     "SpeCache 1-bit, in one run; ratios to the float model's full cache."),
+    ("quantized/float/needle", "Weight quantization: needle at 2k, float weights", "scripts/needle.py",
+     "The needle sweep at 2k, five depths: the float checkpoint, for the two below."),
+    ("quantized/int8/needle", "Weight quantization: needle at 2k, int8 weights", "scripts/needle.py --checkpoint ...",
+     "The same sweep with quantize.py's int8 file."),
+    ("quantized/int4/needle", "Weight quantization: needle at 2k, int4 weights", "scripts/needle.py --checkpoint ...",
+     "The same sweep with quantize.py's int4 file (groups of 32)."),
     ("long_run_drift", "Long generations: drift", "scripts/long_run.py drift",
      "A 2k-token essay continued for 1000 tokens. Agreement is teacher-forced: how often the method's token is "
      "the one the full cache would pick after the same text, per window; a drifting cache would decay."),
@@ -51,7 +60,8 @@ def page() -> str:
         report = RESULTS / f"{name}.md"
         parts.append(f"## {title}\n\n{blurb}\n")
         if report.is_file():
-            parts.append(report.read_text(encoding="utf-8").replace("](", "](results/") + "\n")
+            folder = "results/" + (name.rsplit("/", 1)[0] + "/" if "/" in name else "")
+            parts.append(report.read_text(encoding="utf-8").replace("](", f"]({folder}") + "\n")
         else:
             parts.append(f"Not measured on this machine yet: run `python {script}`.\n")
     return "\n".join(parts)
