@@ -99,3 +99,22 @@ def test_an_error_in_the_fetch_worker_surfaces_within_one_step(monkeypatch):
     with pytest.raises(RuntimeError, match="injected fetch failure"):
         specache_generate(model, state, prompts, 20, temperature=0, callback=tokens_seen.append)
     assert len(tokens_seen) == 1  # the bootstrap step started the fetches; the first decode step waited on them
+
+
+def test_quantized_linears_on_cuda_match_their_references():
+    import torch.nn.functional as F
+
+    from quantize import Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+
+    w, x = torch.randn(256, 256), torch.randn(3, 256)
+    int8 = Int8Linear(256, 256)
+    int8.weight, int8.scales = quantize_int8(w)
+    expected = F.linear(x, dequantize_int8(int8.weight, int8.scales))
+    torch.testing.assert_close(int8.cuda()(x.cuda()).cpu(), expected, rtol=1e-4, atol=1e-4)
+    int4 = Int4Linear(256, 256, 32)
+    int4.weight, int4.scales, int4.zeros = quantize_int4(w, 32)
+    expected = F.linear(x, dequantize_int4(int4.weight, int4.scales, int4.zeros))
+    int4 = int4.cuda()
+    int4.pack()  # gpt-fast's packing for _weight_int4pack_mm; bf16 activations, hence the tolerance
+    assert int4.packed is not None
+    torch.testing.assert_close(int4(x.cuda()).cpu(), expected, rtol=0, atol=1e-2 * expected.abs().max().item())
