@@ -51,13 +51,17 @@ def dequantize_int8(codes: Tensor, scales: Tensor) -> Tensor:
     return codes.float() * scales.float()[:, None]
 
 
+def check_groupsize(in_features: int, groupsize: int) -> None:
+    if in_features % groupsize or groupsize % 2:
+        raise ValueError(f"int4 needs an even group size that divides every Linear's input width; "
+                         f"{in_features} is not a multiple of {groupsize}")
+
+
 def quantize_int4(weight: Tensor, groupsize: int) -> tuple[Tensor, Tensor, Tensor]:
     """(out, in) float, in a multiple of groupsize -> packed codes (out, in/2) uint8, fp32 scales and
     zeros (out, in/groupsize)."""
     out_features, in_features = weight.shape
-    if in_features % groupsize or groupsize % 2:
-        raise ValueError(f"int4 needs an even group size that divides the input width {in_features}, "
-                         f"got --groupsize {groupsize}")
+    check_groupsize(in_features, groupsize)
     w = weight.float().view(out_features, in_features // groupsize, groupsize)
     lo, hi = w.amin(-1), w.amax(-1)
     scales = ((hi - lo) / 15).clamp(min=1e-12)
@@ -92,13 +96,13 @@ class Int8Linear(nn.Module):
         return sum(t.nbytes for t in (self.weight, self.scales, self.bias) if t is not None)
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.shape[:-1].numel()
-        if x.device.type == "cpu" and not torch.compiler.is_compiling() and rows > 8:
-            y = F.linear(x, dequantize_int8(self.weight, self.scales).to(x.dtype))
-        elif x.device.type == "cpu" and not torch.compiler.is_compiling():
+        eager_cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
+        if eager_cpu and x.shape[:-1].numel() <= 8:  # decode
             flat = x.reshape(-1, self.in_features)
             y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales.to(x.dtype))
             y = y.reshape(*x.shape[:-1], self.out_features)
+        elif eager_cpu:  # prefill, where _weight_int8pack_mm is slow: dequantize once, then multiply
+            y = F.linear(x, dequantize_int8(self.weight, self.scales).to(x.dtype))
         else:  # the per-channel scale commutes with the sum over the input, so it applies to the output
             y = linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
         return y if self.bias is None else y + self.bias.to(x.dtype)
@@ -116,9 +120,7 @@ class Int4Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False, device=None):
         super().__init__()
-        if in_features % groupsize or groupsize % 2:
-            raise ValueError(f"int4 needs an even group size that divides every Linear's input width; "
-                             f"{in_features} is not a multiple of {groupsize}")
+        check_groupsize(in_features, groupsize)
         self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
         groups = in_features // groupsize
         self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
