@@ -222,7 +222,9 @@ def test_compiled_decode_matches_eager_and_never_recompiles(cache):
     torch._dynamo.reset()
 
 
-def test_a_failing_fetch_surfaces_in_the_main_thread(monkeypatch):
+def test_a_failing_fetch_raises_instead_of_being_lost(monkeypatch):
+    """On a CPU the gather runs inside the step; the GPU's background worker has its own test in
+    tests/test_cuda.py."""
     model = tiny_model()
 
     def broken(*args, **kwargs):
