@@ -95,12 +95,11 @@ def drift(runner: Runner, prompt: list[int], new_tokens: int, window: int) -> tu
 
 def resident_bytes() -> int:
     """This process's resident memory (Linux /proc; elsewhere the peak, from getrusage)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    status = Path("/proc/self/status")
+    lines = status.read_text().splitlines() if status.is_file() else []
+    for line in lines:
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
