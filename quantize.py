@@ -190,13 +190,14 @@ def pack_int4(model: nn.Module) -> None:
             module.pack()
 
 
-def quantized_linears(model: Transformer) -> list[tuple[nn.Module, str, Linear]]:
-    """(parent, attribute, Linear) of every Linear that quantization replaces: all but the embedding."""
+def quantized_linears(model: Transformer) -> list[tuple[str, nn.Module, str, Linear]]:
+    """(state-dict key, parent, attribute, Linear) of every Linear that quantization replaces: all
+    but the embedding."""
     found = []
-    for parent in model.modules():
+    for prefix, parent in model.named_modules():
         for name, child in parent.named_children():
             if isinstance(child, Linear):
-                found.append((parent, name, child))
+                found.append((f"{prefix}.{name}" if prefix else name, parent, name, child))
     return found
 
 
@@ -204,7 +205,7 @@ def replace_linears(model: Transformer, mode: str, groupsize: Optional[int] = No
                     state_dict: Optional[dict] = None) -> None:
     """Swap every Linear for its quantized form; quantize its weight into `state_dict` when given
     (else the new modules are empty, for loading a quantized file)."""
-    for parent, name, layer in quantized_linears(model):
+    for key, parent, name, layer in quantized_linears(model):
         has_bias = layer.bias is not None
         device = layer.weight.device
         if mode == "int8":
@@ -212,8 +213,6 @@ def replace_linears(model: Transformer, mode: str, groupsize: Optional[int] = No
         else:
             new = Int4Linear(layer.in_features, layer.out_features, groupsize, has_bias, device=device)
         if state_dict is not None:
-            prefix = next(n for n, m in model.named_modules() if m is parent)
-            key = f"{prefix}.{name}" if prefix else name
             if mode == "int8":
                 state_dict[f"{key}.weight"], state_dict[f"{key}.scales"] = quantize_int8(layer.weight.detach())
             else:

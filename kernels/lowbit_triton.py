@@ -1,4 +1,4 @@
-"""The low-bit segment of SpeCache's attention on GPUs: two Triton kernels, and their reference.
+"""The low-bit segment of SpeCache's attention on GPUs: two Triton kernels.
 
 Same contract as kernels/lowbit_cpu.py (whose `lowbit_partial_attention_reference` is the spec):
 for rows (B, Hkv, M, D, already scaled) and the packed low-bit copy, the softmax pieces over the

@@ -4,16 +4,17 @@
     python scripts/bench.py --lengths 16384 --batch_sizes 1 --methods full specache-1bit --out /tmp/bench
     python scripts/bench.py --lengths 1024 4096 --no_hf --dtype bfloat16
     python scripts/bench.py --device cuda --random_weights Meta-Llama-3-8B --dtype bfloat16 \
-        --lengths 8192 32768 --batch_sizes 1 --max_batch --no_hf            # what scripts/gpu_check.sh runs
+        --lengths 32768 --batch_sizes 1 --max_batch --no_hf         # as scripts/gpu_check.sh runs it
 
 Every figure comes from one run. Per context length, one random-token prompt is prefilled once
 (batch 1, full precision, as every method does: scripts/harness.py) and each method's cache takes
 its K and V (`batch` copies of it), then decodes `--new_tokens` steps, compiled, after a warm-up
 that compiles the method's graphs. SmolLM2's trained context is 8k: longer prompts here measure
 speed only. A step's time is the median of the steps timed (the box may be shared, and a spike
-in one step then moves no figure). Bytes per step are what the step must read: the weights plus what each tier's step
-reads (the full cache: its K and V up to the position, in the model's dtype; SpeCache: its low-bit
-copy, window and fetched pairs; eviction: its kept pairs). The machine's read bandwidth
+in one step then moves no figure); HF's rows take the mean from the first new token to the last.
+Bytes per step are what the step must read: the weights plus what each tier's step reads (the
+full cache: its K and V up to the position, in the model's dtype; SpeCache: its low-bit copy,
+window and fetched pairs; eviction: its kept pairs). The machine's read bandwidth
 (a plain sum of a large tensor) is measured at the start and again around each row, since the box
 may be shared; "% of bw" uses the reading around the row. Ratios to the full cache are tok/s over
 the full cache's tok/s at the same length and batch, in the same run.
@@ -168,15 +169,15 @@ class TokenClock:
 
 
 def bench_hf(hf_model, prompt: list[int], new_tokens: int, step_bytes: int, cache_implementation=None) -> dict:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=hf_model.device)
     extra = {} if cache_implementation is None else dict(
         cache_implementation=cache_implementation, cache_config=dict(backend="quanto", nbits=2))
     hf_model.generate(ids[:, :64], max_new_tokens=4, do_sample=False, **extra)  # warm-up
-    bandwidth_before = measure_read_bandwidth()
+    bandwidth_before = measure_read_bandwidth(hf_model.device)
     clock = TokenClock()
     hf_model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=clock,
                       **extra)
-    bandwidth = (bandwidth_before + measure_read_bandwidth()) / 2
+    bandwidth = (bandwidth_before + measure_read_bandwidth(hf_model.device)) / 2
     # put() is called once with the prompt, then once per new token; the first new token ends prefill.
     first, last = clock.times[1], clock.times[-1]
     seconds_per_step = (last - first) / (len(clock.times) - 2)
