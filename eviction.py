@@ -21,6 +21,8 @@ Choices (ours, where the papers leave room or where our setting differs):
   prefill, then one per decode step), summed over the query heads of its KV head; each KV head
   evicts on its own.
 - Decode steps take one row (the plain decode loop); both run eagerly or compiled alike.
+- Hybrid models (Gemma-3): only full-attention layers evict; sliding-window layers keep their ring
+  of the newest positions (model.RingKVCache), as the full cache and SpeCache do.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -30,7 +32,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from kernels.quant import sixteen_bit_dtype
-from model import CAUSAL_PROMPT, Transformer, attention
+from model import CAUSAL_PROMPT, CausalPrompt, RingKVCache, Transformer, attention
 
 POLICIES = ("streaming", "h2o")
 
@@ -127,7 +129,7 @@ class EvictionLayer(nn.Module):
                 self.score[b, :, :m] = scores.gather(1, keep)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask) -> Tensor:
-        if mask is CAUSAL_PROMPT:  # prefill: full attention over the prompt, then keep the budget
+        if isinstance(mask, CausalPrompt):  # prefill: full attention over the prompt, then keep the budget
             y = attention(q, k, v, CAUSAL_PROMPT)
             mass = None
             if self.config.policy == "h2o":
@@ -176,14 +178,17 @@ class EvictionLayer(nn.Module):
 
 
 def setup_eviction(model: Transformer, batch_size: int, max_seq_length: int, config: EvictionConfig) -> EvictionState:
-    """Replace every layer's cache with an eviction cache of `config.budget` tokens."""
+    """Replace every full-attention layer's cache with an eviction cache of `config.budget`
+    tokens; sliding-window layers get a ring of their window."""
     config.validate()
     c = model.config
     device, model_dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
     dtype = config.pair_dtype or sixteen_bit_dtype(model_dtype)
     state = EvictionState(config, batch_size)
     for layer in model.layers:
-        layer.attention.kv_cache = EvictionLayer(state, c.n_local_heads, c.head_dim, dtype, device)
+        window = layer.attention.window
+        layer.attention.kv_cache = (EvictionLayer(state, c.n_local_heads, c.head_dim, dtype, device) if window is None
+                                    else RingKVCache(batch_size, window, c.n_local_heads, c.head_dim, dtype, device))
     model.setup_rope(max_seq_length)
     model.max_batch_size, model.max_seq_length = batch_size, max_seq_length
     return state
@@ -204,15 +209,22 @@ def equal_budget_tokens(model: Transformer, capacity: int, specache_config: "Spe
 
 
 def eviction_layers(model: Transformer) -> list[EvictionLayer]:
-    return [layer.attention.kv_cache for layer in model.layers]
+    """The evicting layers (the full-attention ones)."""
+    return [layer.attention.kv_cache for layer in model.layers if isinstance(layer.attention.kv_cache, EvictionLayer)]
+
+
+def ring_bytes(model: Transformer) -> int:
+    """Bytes of the sliding-window layers' rings (all sequences)."""
+    return sum(b.nbytes for layer in model.layers if isinstance(layer.attention.kv_cache, RingKVCache)
+               for b in layer.attention.kv_cache.buffers())
 
 
 def cache_stats(model: Transformer, state: EvictionState) -> dict:
     from specache import sixteen_bit_cache_bytes
 
-    fast = sum(cache.fast_tier_bytes() for cache in eviction_layers(model))
+    fast = sum(cache.fast_tier_bytes() for cache in eviction_layers(model)) + ring_bytes(model)
     batch, capacity = len(state.prompt_lengths), model.max_seq_length
-    full_16bit = sixteen_bit_cache_bytes(model, capacity * batch)
+    full_16bit = sixteen_bit_cache_bytes(model, capacity, batch)
     return {"cache": state.config.policy, "budget_tokens": state.config.budget, "capacity_tokens": capacity,
             "fast_tier_bytes": fast, "fast_tier_ratio_to_16bit_cache": fast / full_16bit}
 
@@ -227,6 +239,6 @@ def eviction_generate(model: Transformer, state: EvictionState, prompts: list[li
         state.begin([len(p) for p in prompts])
     result = generate(model, prompts, max_new_tokens, first_token=first_token, **kwargs)
     kept = sum(cache.k[0].nbytes + cache.v[0].nbytes for cache in eviction_layers(model))
-    result.decode_bytes = result.decode_steps * (weight_bytes(model) + len(prompts) * kept)
+    result.decode_bytes = result.decode_steps * (weight_bytes(model) + len(prompts) * kept + ring_bytes(model))
     result.stats = cache_stats(model, state)
     return result

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from model import CAUSAL_PROMPT, ModelArgs, Transformer, create_causal_block_mask, flex_attention_available
+from model import CausalPrompt, ModelArgs, Transformer, create_causal_block_mask, flex_attention_available
 from tokenizer import Tokenizer, get_tokenizer
 
 
@@ -65,7 +65,7 @@ def prefill(model: Transformer, tokens: Tensor, lengths: Tensor, **sampling) -> 
     to build or gave wrong logits in torch 2.13 (decode, one query per sequence, is fine).
     """
     input_pos = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
-    logits = model(tokens, input_pos, CAUSAL_PROMPT, output_index=(lengths - 1).unsqueeze(1))
+    logits = model(tokens, input_pos, CausalPrompt(lengths), output_index=(lengths - 1).unsqueeze(1))
     return sample(logits, **sampling)
 
 
@@ -133,9 +133,13 @@ def weight_bytes(model: Transformer) -> int:
     return total
 
 
-def kv_bytes_per_position(model: Transformer) -> int:
+def full_cache_step_bytes(model: Transformer, positions: list[int]) -> int:
+    """KV bytes a full-cache decode step reads when its sequences hold `positions` tokens each:
+    full-attention layers read every position, sliding-window layers their whole ring."""
     c = model.config
-    return 2 * c.n_layer * c.n_local_heads * c.head_dim * model.tok_embeddings.weight.element_size()
+    per_layer_position = 2 * c.n_local_heads * c.head_dim * model.tok_embeddings.weight.element_size()
+    windows = [c.window(i) for i in range(c.n_layer)]
+    return per_layer_position * sum(n if w is None else w for w in windows for n in positions)
 
 
 def _sync(device: torch.device) -> None:
@@ -176,7 +180,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     new_tokens, done = [next_token], torch.zeros(len(prompts), dtype=torch.bool, device=device)
     callback(next_token)
     input_pos = lengths.unsqueeze(1).clone()
-    per_step_weights, per_position = weight_bytes(model), kv_bytes_per_position(model)
+    per_step_weights = weight_bytes(model)
     decode_bytes, steps = 0, 0
     t0 = time.perf_counter()
     for _ in range(max_new_tokens - 1):
@@ -184,7 +188,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         if bool(done.all()):
             break
         next_token = decode_one_token(model, next_token, input_pos, causal, **sampling)
-        decode_bytes += per_step_weights + per_position * int((input_pos + 1).sum())
+        decode_bytes += per_step_weights + full_cache_step_bytes(model, (input_pos[:, 0] + 1).tolist())
         input_pos += 1
         steps += 1
         new_tokens.append(next_token)
@@ -430,6 +434,11 @@ def cache_summary(stats: dict) -> str:
     line = (f"{stats['cache']} {stats['bits']}-bit: fast tier {stats['fast_tier_bytes'] / 1e6:.1f} MB "
             f"({stats['fast_tier_ratio_to_16bit_cache']:.3f}x a 16-bit cache), slow tier "
             f"{stats['slow_tier_bytes'] / 1e6:.1f} MB, {stats['bytes_fetched_per_token'] / 1e3:.0f} kB fetched per token")
+    if "sliding_window_layers" in stats:
+        line += (f"; {stats['full_attention_layers']} full-attention layers "
+                 f"{stats['fast_tier_ratio_full_attention_layers']:.3f}x their 16-bit cache, "
+                 f"{stats['sliding_window_layers']} sliding-window layers keep their 16-bit rings "
+                 f"({stats['fast_tier_bytes_sliding_window_layers'] / 1e6:.1f} MB)")
     if stats.get("speculative_match_rate") is not None:
         line += f", speculative token right {100 * stats['speculative_match_rate']:.0f}% of steps"
     if stats.get("recall_at_k") is not None:

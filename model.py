@@ -1,10 +1,20 @@
 """A Llama-family transformer in the style of gpt-fast: one file, static shapes, compile-friendly.
 
-Covers Llama-2/3/3.1, Mistral, SmolLM2 and Qwen2.5 (q/k/v bias) through `ModelArgs`.
+Covers Llama-2/3/3.1, Mistral, SmolLM2, Qwen2.5 (q/k/v bias) and Gemma-3's text model through
+`ModelArgs`. Gemma-3 is the same skeleton with options: RMSNorm after attention and FFN as well as
+before, RMSNorm on each head's q and k, GeGLU (tanh GELU), embeddings scaled by sqrt(dim), and
+hybrid attention: most layers see only a sliding window of the newest positions (with their own
+RoPE base), every few layers one sees everything.
 
 Conventions
 - RoPE uses the interleaved layout (pairs (x[2i], x[2i+1]) rotate together), as gpt-fast and
-  llama.cpp do; `scripts/convert_hf_checkpoint.py` permutes HF's rotate-half q/k weights into it.
+  llama.cpp do; `scripts/convert_hf_checkpoint.py` permutes HF's rotate-half q/k weights into it,
+  and `scripts/convert_gguf.py` does the same for Gemma-3 (whose GGUF keeps HF's layout), q/k norm
+  weights included, so there is one RoPE here.
+- Gemma's RMSNorm multiplies by (1 + w); the converters store 1 + w (llama.cpp's GGUF already
+  does), so every RMSNorm here multiplies by its weight.
+- Sliding-window layers keep a ring of the newest `window` positions (`RingKVCache`) instead of a
+  cache as long as the context: they never look further back, so nothing else is worth keeping.
 - Batches are ragged: sequence b occupies cache positions [0, length_b). `input_pos` is a (B, S)
   tensor of per-sequence positions, so sequences of different lengths decode side by side without
   left-padding (pad slots on the right hold garbage that the mask never lets anyone read).
@@ -50,7 +60,18 @@ class ModelArgs:
     rope_scaling: Optional[dict] = None  # Llama-3.1 style: factor, low/high_freq_factor, original_max_position_embeddings
     tie_embeddings: bool = False
     qkv_bias: bool = False
-    sliding_window: Optional[int] = None  # not implemented: contexts longer than it are refused
+    # Sliding-window attention: layers listed "sliding_attention" in layer_types (all layers when
+    # layer_types is None, as in Mistral-7B-v0.1) see only the newest `sliding_window` positions.
+    sliding_window: Optional[int] = None
+    layer_types: Optional[list] = None  # per layer: "sliding_attention" or "full_attention" (HF's names)
+    rope_local_base: Optional[float] = None  # the sliding-window layers' RoPE base, when it differs
+    # Gemma-3's options
+    ffn_activation: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    sandwich_norm: bool = False  # RMSNorm after attention and after the FFN too
+    qk_norm: bool = False  # RMSNorm over each head's q and k, before RoPE
+    scale_embeddings: bool = False  # embeddings times sqrt(dim)
+    query_pre_attn_scalar: Optional[float] = None  # attention scores scaled by its -1/2 (default head_dim)
+    norm_in_fp32: bool = False  # RMSNorm multiplies by its weight before casting back (Gemma), not after
     name: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -63,6 +84,18 @@ class ModelArgs:
             self.head_dim = self.dim // self.n_head
         if self.n_head % self.n_local_heads:
             raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_local_heads ({self.n_local_heads})")
+        if self.ffn_activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"ffn_activation must be silu or gelu_tanh, got {self.ffn_activation!r}")
+        if self.layer_types is not None and len(self.layer_types) != self.n_layer:
+            raise ValueError(f"layer_types names {len(self.layer_types)} layers; the model has {self.n_layer}")
+
+    def window(self, layer: int) -> Optional[int]:
+        """The sliding window of layer `layer`, or None where it attends over everything."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @classmethod
     def from_name(cls, name: str) -> "ModelArgs":
@@ -83,20 +116,43 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, config: dict, name: str = "") -> "ModelArgs":
-        """ModelArgs from a HF transformers config.json (llama, mistral or qwen2 model_type)."""
+        """ModelArgs from a HF transformers config.json (llama, mistral, qwen2 or gemma3 model_type)."""
         model_type = config.get("model_type", "llama")
-        if model_type not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"config.json has model_type {model_type!r}; supported: llama, mistral, qwen2")
+        if model_type == "gemma3":  # the multimodal wrapper: its text model is what we run
+            config = config["text_config"]
+            model_type = config.get("model_type", "gemma3_text")
+        if model_type not in ("llama", "mistral", "qwen2", "gemma3_text"):
+            raise ValueError(f"config.json has model_type {model_type!r}; supported: llama, mistral, qwen2, gemma3")
+        gemma = model_type == "gemma3_text"
         rope = config.get("rope_parameters") or {}
-        rope_base = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+        local_rope = rope.get("sliding_attention") or {}
+        rope = rope.get("full_attention", rope)  # Gemma-3 keeps one set per layer type
+        rope_base = config.get("rope_theta", rope.get("rope_theta", 1e6 if gemma else 10000.0))
         scaling = config.get("rope_scaling") or rope
         rope_scaling = None
-        if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        rope_type = scaling.get("rope_type", scaling.get("type"))
+        if rope_type == "llama3":
             rope_scaling = {k: scaling[k] for k in
                             ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-        elif scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"RoPE scaling {scaling} is not supported (only llama3)")
+        elif rope_type == "linear":
+            rope_scaling = {"factor": scaling["factor"]}
+        elif rope_type not in (None, "default"):
+            raise ValueError(f"RoPE scaling {scaling} is not supported (only llama3 and linear)")
+        for softcap in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if config.get(softcap) is not None:
+                raise ValueError(f"config.json sets {softcap}, which this model code does not implement")
         n_head = config["num_attention_heads"]
+        layer_types = config.get("layer_types")
+        if gemma and layer_types is None:  # older Gemma-3 configs give the pattern instead
+            pattern = config.get("sliding_window_pattern", 6)
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                           for i in range(config["num_hidden_layers"])]
+        gemma_options = dict(
+            layer_types=layer_types, ffn_activation="gelu_tanh", sandwich_norm=True, qk_norm=True,
+            scale_embeddings=True, norm_in_fp32=True,
+            rope_local_base=float(config.get("rope_local_base_freq", local_rope.get("rope_theta", 10000.0))),
+            query_pre_attn_scalar=float(config.get("query_pre_attn_scalar", 256)),
+        ) if gemma else {}
         return cls(
             name=name,
             block_size=config.get("max_position_embeddings", 2048),
@@ -108,11 +164,12 @@ class ModelArgs:
             n_local_heads=config.get("num_key_value_heads") or n_head,
             head_dim=config.get("head_dim") or config["hidden_size"] // n_head,
             rope_base=float(rope_base),
-            norm_eps=config.get("rms_norm_eps", 1e-5),
+            norm_eps=config.get("rms_norm_eps", 1e-6 if gemma else 1e-5),
             rope_scaling=rope_scaling,
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_embeddings=bool(config.get("tie_word_embeddings", gemma)),
             qkv_bias=bool(config.get("attention_bias", model_type == "qwen2")),
             sliding_window=config.get("sliding_window") if config.get("use_sliding_window", True) else None,
+            **gemma_options,
         )
 
     @classmethod
@@ -129,6 +186,15 @@ class ModelArgs:
 
 
 _LLAMA31_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+def _gemma3(n_layer: int, **shape) -> dict:
+    """A Gemma-3 text model: every 6th layer global, the others a 512-token window."""
+    return dict(n_layer=n_layer, block_size=32768, head_dim=256, vocab_size=262144, rope_base=1000000, norm_eps=1e-6,
+                tie_embeddings=True, sliding_window=512, rope_local_base=10000.0, ffn_activation="gelu_tanh",
+                layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layer)],
+                sandwich_norm=True, qk_norm=True, scale_embeddings=True, query_pre_attn_scalar=256.0,
+                norm_in_fp32=True, **shape)
+
 
 transformer_configs = {
     "Llama-2-7b": dict(block_size=4096, n_layer=32, n_head=32, dim=4096, intermediate_size=11008),
@@ -164,6 +230,8 @@ transformer_configs = {
                          vocab_size=151936, rope_base=1000000, norm_eps=1e-6, tie_embeddings=True, qkv_bias=True),
     "Qwen2.5-3B": dict(block_size=32768, n_layer=36, n_head=16, n_local_heads=2, dim=2048, intermediate_size=11008,
                        vocab_size=151936, rope_base=1000000, norm_eps=1e-6, tie_embeddings=True, qkv_bias=True),
+    "gemma-3-270m": _gemma3(18, n_head=4, n_local_heads=1, dim=640, intermediate_size=2048),
+    "gemma-3-1b": _gemma3(26, n_head=4, n_local_heads=1, dim=1152, intermediate_size=6912),
     "Qwen2.5-7B": dict(block_size=32768, n_layer=28, n_head=28, n_local_heads=4, dim=3584, intermediate_size=18944,
                        vocab_size=152064, rope_base=1000000, norm_eps=1e-6, qkv_bias=True),
 }
@@ -216,7 +284,14 @@ def slice_block_mask(causal: "BlockMask", input_pos: Tensor) -> "BlockMask":
 
 
 class CausalPrompt:
-    """The mask of a prompt at positions 0..S-1: each query sees the keys up to its own position."""
+    """The mask of prompts at positions 0..S-1: each query sees the keys up to its own position.
+
+    `lengths` (B,), when given, says where each right-padded prompt ends; caches that keep only a
+    prompt's newest positions (RingKVCache) need it, full attention does not.
+    """
+
+    def __init__(self, lengths: Optional[Tensor] = None):
+        self.lengths = lengths
 
 
 CAUSAL_PROMPT = CausalPrompt()
@@ -226,15 +301,45 @@ Mask = Union["BlockMask", Tensor, CausalPrompt]
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
     """Softmax attention of q (B, H, S, D) over k, v (B, Hkv, T, D); GQA handled by the kernel.
 
-    `mask` is a BlockMask (FlexAttention), a boolean (B, 1, S, T) tensor (SDPA), or CAUSAL_PROMPT.
+    `mask` is a BlockMask (FlexAttention), a boolean (B, 1, S, T) tensor (SDPA), or a CausalPrompt.
     """
     gqa = q.shape[1] != k.shape[1]
-    if mask is CAUSAL_PROMPT:
+    if isinstance(mask, CausalPrompt):
         seqlen = q.shape[2]
         return F.scaled_dot_product_attention(q, k[:, :, :seqlen], v[:, :, :seqlen], is_causal=True, enable_gqa=gqa)
     if isinstance(mask, Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+
+def sliding_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
+    """Causal attention of a prompt (q, k, v at positions 0..S-1) where each query sees only the
+    newest `window` keys (its own included), as HF's sliding-window mask does (q - kv < window).
+
+    Queries go in blocks of `window`, each over the keys it can reach, so the work and memory grow
+    with S x window rather than S x S.
+    """
+    seqlen = q.shape[2]
+    if seqlen <= window:
+        return attention(q, k, v, CAUSAL_PROMPT)
+    gqa = q.shape[1] != k.shape[1]
+    out = []
+    for start in range(0, seqlen, window):
+        end = min(seqlen, start + window)
+        first = max(0, start - window + 1)
+        q_pos = torch.arange(start, end, device=q.device)[:, None]
+        kv_pos = torch.arange(first, end, device=q.device)[None, :]
+        visible = (kv_pos <= q_pos) & (kv_pos > q_pos - window)
+        out.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, first:end], v[:, :, first:end],
+                                                  attn_mask=visible, enable_gqa=gqa))
+    return torch.cat(out, dim=2)
+
+
+def prompt_attention(q: Tensor, k: Tensor, v: Tensor, window: Optional[int]) -> Tensor:
+    """A prompt's attention in a layer with this sliding window (None: over the whole prompt)."""
+    if window is None:
+        return attention(q, k, v, CAUSAL_PROMPT)
+    return sliding_window_attention(q, k, v, window)
 
 
 class KVCache(nn.Module):
@@ -264,6 +369,68 @@ class KVCache(nn.Module):
         return attention(q, k_all, v_all, mask)
 
 
+class RingKVCache(nn.Module):
+    """A sliding-window layer's cache: each sequence's newest `window` positions, position p in
+    slot p % window, with the position each slot holds (-1: empty).
+
+    A step attends over the ring and its own new rows, masked by position (p <= query, and
+    query - p < window), then writes its rows over the slots of the positions that just left the
+    window. Memory is window x heads x head_dim per sequence, however long the context.
+    """
+
+    def __init__(self, max_batch_size: int, window: int, n_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: Union[str, torch.device, None] = None):
+        super().__init__()
+        self.window = window
+        shape = (max_batch_size, n_heads, window, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("slot_pos", torch.full((max_batch_size, window), -1, dtype=torch.long, device=device),
+                             persistent=False)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
+        """Attention of new rows q, k, v (B, *, S, D) at positions input_pos (B, S) over the ring
+        and each other, without writing anything."""
+        batch = q.shape[0]
+        kv_pos = torch.cat([self.slot_pos[:batch], input_pos], dim=1)[:, None, :]  # (B, 1, W + S)
+        q_pos = input_pos[:, :, None]
+        visible = (kv_pos >= 0) & (kv_pos <= q_pos) & (kv_pos > q_pos - self.window)
+        keys = torch.cat([self.k_cache[:batch], k.to(self.k_cache.dtype)], dim=2).to(q.dtype)
+        values = torch.cat([self.v_cache[:batch], v.to(self.v_cache.dtype)], dim=2).to(q.dtype)
+        return attention(q, keys, values, visible.unsqueeze(1))
+
+    def write(self, k: Tensor, v: Tensor, input_pos: Tensor) -> None:
+        """Keep rows k, v (B, Hkv, S, D) at consecutive positions input_pos (B, S); of more than
+        `window` rows only the newest `window` can ever be seen again."""
+        k, v, input_pos = k[:, :, -self.window:], v[:, :, -self.window:], input_pos[:, -self.window:]
+        batch = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
+        slots = input_pos % self.window
+        self.k_cache[batch, :, slots] = k.transpose(1, 2).to(self.k_cache.dtype)
+        self.v_cache[batch, :, slots] = v.transpose(1, 2).to(self.v_cache.dtype)
+        self.slot_pos[batch, slots] = input_pos
+
+    def ingest_prompt(self, k: Tensor, v: Tensor, lengths: Optional[Tensor] = None) -> None:
+        """Keep the newest `window` positions of prompts k, v (B, Hkv, S, D) from position 0 that
+        end at `lengths` (B,) (default: all S positions are real)."""
+        batch, seqlen = k.shape[0], k.shape[2]
+        if lengths is None:
+            lengths = torch.full((batch,), seqlen, device=k.device)
+        positions = lengths.to(k.device)[:, None] - self.window + torch.arange(self.window, device=k.device)
+        index = positions.clamp(0, seqlen - 1)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        # The window positions before a short prompt's start are negative: they fill their slots
+        # (all `window` slots get written) and the mask never shows them.
+        self.write(k.gather(2, index), v.gather(2, index), positions)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask: Mask) -> Tensor:
+        if isinstance(mask, CausalPrompt):
+            y = sliding_window_attention(q, k, v, self.window)
+            self.ingest_prompt(k, v, mask.lengths)
+            return y
+        y = self.attend(q, k, v, input_pos)
+        self.write(k, v, input_pos)
+        return y
+
+
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """F.linear, except for a few rows in compiled CPU code (decode), where it is a multiply-reduce.
 
@@ -291,13 +458,14 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
-        self.norm = RMSNorm(config.dim, eps=config.norm_eps)
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layer))
+        self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_in_fp32)
         self.output = Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self._register_load_state_dict_pre_hook(self._tie_on_load)
         self.freqs_cis: Optional[Tensor] = None
+        self.freqs_cis_local: Optional[Tensor] = None  # the sliding-window layers', where their base differs
         self.max_batch_size = -1
         self.max_seq_length = -1
 
@@ -306,27 +474,42 @@ class Transformer(nn.Module):
             state_dict[prefix + "output.weight"] = state_dict[prefix + "tok_embeddings.weight"]
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int) -> None:
-        """Allocate the full KV cache of every layer and the RoPE table for `max_seq_length` positions.
+        """Allocate every layer's 16-bit KV cache and the RoPE tables for `max_seq_length` positions:
+        as long as that for full-attention layers, a ring of the window for sliding-window ones.
 
         The length is rounded up to FlexAttention's block size.
         """
-        if self.config.sliding_window and max_seq_length > self.config.sliding_window:
-            raise ValueError(
-                f"this model uses sliding-window attention (window {self.config.sliding_window}), which is not "
-                f"implemented; keep prompt + new tokens within {self.config.sliding_window}")
         device, dtype = self.tok_embeddings.weight.device, self.tok_embeddings.weight.dtype
         max_seq_length = find_multiple(max_seq_length, FLEX_BLOCK_SIZE)
         self.max_seq_length = max_seq_length
         self.max_batch_size = max_batch_size
+        c = self.config
         for b in self.layers:
-            b.attention.kv_cache = KVCache(max_batch_size, max_seq_length, self.config.n_local_heads,
-                                           self.config.head_dim, dtype, device)
+            if b.attention.window is None:
+                b.attention.kv_cache = KVCache(max_batch_size, max_seq_length, c.n_local_heads, c.head_dim, dtype,
+                                               device)
+            else:
+                b.attention.kv_cache = RingKVCache(max_batch_size, b.attention.window, c.n_local_heads, c.head_dim,
+                                                   dtype, device)
         self.setup_rope(max_seq_length)
 
     def setup_rope(self, max_seq_length: int) -> None:
-        device = self.tok_embeddings.weight.device
-        self.freqs_cis = precompute_freqs_cis(max_seq_length, self.config.head_dim, self.config.rope_base,
-                                              self.config.rope_scaling).to(device)
+        c, device = self.config, self.tok_embeddings.weight.device
+        self.freqs_cis = precompute_freqs_cis(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling).to(device)
+        if c.rope_local_base is not None:
+            self.freqs_cis_local = precompute_freqs_cis(max_seq_length, c.head_dim, c.rope_local_base).to(device)
+
+    def rope(self, input_pos: Tensor) -> list[Tensor]:
+        """Each layer's RoPE angles at positions input_pos (B, S)."""
+        full = self.freqs_cis[input_pos]
+        local = full if self.freqs_cis_local is None else self.freqs_cis_local[input_pos]
+        return [full if layer.attention.window is None else local for layer in self.layers]
+
+    def embed(self, idx: Tensor) -> Tensor:
+        x = self.tok_embeddings(idx)
+        if self.config.scale_embeddings:  # in the embeddings' dtype, as Gemma's own code rounds it
+            x = x * torch.tensor(self.config.dim ** 0.5, dtype=x.dtype)
+        return x
 
     def make_mask(self, input_pos: Tensor, causal_block_mask: Optional["BlockMask"] = None) -> Mask:
         """The attention mask for queries at `input_pos` (B, S) over the whole cache.
@@ -353,9 +536,8 @@ class Transformer(nn.Module):
             raise RuntimeError("call setup_caches() before forward()")
         if mask is None:
             mask = self.make_mask(input_pos)
-        freqs_cis = self.freqs_cis[input_pos]
-        x = self.tok_embeddings(idx)
-        for layer in self.layers:
+        x = self.embed(idx)
+        for layer, freqs_cis in zip(self.layers, self.rope(input_pos)):
             x = layer(x, input_pos, freqs_cis, mask)
         return self.head(x, output_index)
 
@@ -370,24 +552,39 @@ class Transformer(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: ModelArgs) -> None:
+    def __init__(self, config: ModelArgs, layer: int = 0) -> None:
         super().__init__()
-        self.attention = Attention(config)
+        self.attention = Attention(config, layer)
         self.feed_forward = FeedForward(config)
-        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps, config.norm_in_fp32)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps, config.norm_in_fp32)
+        if config.sandwich_norm:
+            self.post_attention_norm = RMSNorm(config.dim, config.norm_eps, config.norm_in_fp32)
+            self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps, config.norm_in_fp32)
+        else:
+            self.post_attention_norm = self.post_ffn_norm = nn.Identity()
 
     def forward(self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor, mask: Mask) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, mask, input_pos)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self.post_attention_norm(self.attention(self.attention_norm(x), freqs_cis, mask, input_pos))
+        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelArgs):
+    def __init__(self, config: ModelArgs, layer: int = 0):
         super().__init__()
         self.n_head = config.n_head
         self.head_dim = config.head_dim
         self.n_local_heads = config.n_local_heads
+        self.window = config.window(layer)  # None: attends over the whole context
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_in_fp32)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_in_fp32)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
+        # Every attention kernel here scales scores by head_dim^-1/2; a model that wants
+        # query_pre_attn_scalar^-1/2 gets the ratio folded into q.
+        scalar = config.query_pre_attn_scalar or config.head_dim
+        self.q_scale = (config.head_dim / scalar) ** 0.5
         total_head_dim = (config.n_head + 2 * config.n_local_heads) * config.head_dim
         self.wqkv = Linear(config.dim, total_head_dim, bias=config.qkv_bias)
         self.wo = Linear(config.n_head * config.head_dim, config.dim, bias=False)
@@ -405,8 +602,12 @@ class Attention(nn.Module):
         bsz, seqlen, _ = x.shape
         q_size, kv_size = self.n_head * self.head_dim, self.n_local_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary_emb(q.view(bsz, seqlen, self.n_head, self.head_dim), freqs_cis)
-        k = apply_rotary_emb(k.view(bsz, seqlen, self.n_local_heads, self.head_dim), freqs_cis)
+        q = self.q_norm(q.view(bsz, seqlen, self.n_head, self.head_dim))
+        k = self.k_norm(k.view(bsz, seqlen, self.n_local_heads, self.head_dim))
+        if self.q_scale != 1:
+            q = q * self.q_scale
+        q = apply_rotary_emb(q, freqs_cis)
+        k = apply_rotary_emb(k, freqs_cis)
         v = v.view(bsz, seqlen, self.n_local_heads, self.head_dim)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
@@ -423,25 +624,35 @@ class FeedForward(nn.Module):
         self.w1 = Linear(config.dim, config.intermediate_size, bias=False)
         self.w3 = Linear(config.dim, config.intermediate_size, bias=False)
         self.w2 = Linear(config.intermediate_size, config.dim, bias=False)
+        self.gelu = config.ffn_activation == "gelu_tanh"
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate = self.w1(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.w2(gate * self.w3(x))
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
+    def __init__(self, dim: int, eps: float = 1e-5, weight_in_fp32: bool = False):
         super().__init__()
         self.eps = eps
+        self.weight_in_fp32 = weight_in_fp32  # Gemma: (x * w) cast back; Llama: x cast back, then * w
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_fp32:
+            return (normed * self.weight.float()).type_as(x)
+        return normed.type_as(x) * self.weight
 
 
 def apply_rope_scaling(freqs: Tensor, rope_scaling: dict) -> Tensor:
-    """Llama-3.1's frequency-dependent RoPE scaling."""
+    """Llama-3.1's frequency-dependent RoPE scaling, or linear scaling (Gemma-3 4B+) when the dict
+    holds only a factor."""
     factor = rope_scaling["factor"]
+    if "low_freq_factor" not in rope_scaling:
+        return freqs / factor
     low_freq_factor = rope_scaling["low_freq_factor"]
     high_freq_factor = rope_scaling["high_freq_factor"]
     old_context_len = rope_scaling["original_max_position_embeddings"]

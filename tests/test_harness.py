@@ -56,3 +56,11 @@ def test_batched_copies_change_nothing():
     for method in runner.methods:
         alone = runner.decode(method, prompt, prefilled, 12).tokens[0]
         assert runner.decode(method, prompt, prefilled, 12, batch_size=3).tokens == [alone] * 3, method
+
+
+def test_prompt_format_auto_picks_chat_for_chat_tuned_names_only():
+    from scripts.harness import wants_chat
+
+    assert wants_chat("auto", "SmolLM2-135M-Instruct") and wants_chat("auto", "gemma-3-1b-it")
+    assert not wants_chat("auto", "gemma-3-270m") and not wants_chat("auto", "Meta-Llama-3-8B")
+    assert wants_chat("chat", "gemma-3-270m") and not wants_chat("completion", "SmolLM2-135M-Instruct")

@@ -68,8 +68,47 @@ def test_preset_shapes_match_parameter_counts():
         assert abs(n - count) / count < 0.02, (name, n, count)
 
 
-def test_sliding_window_models_refuse_longer_contexts():
+def test_ring_buffer_equals_full_attention_with_a_window_mask():
+    """A sliding-window layer's ring of 16 slots, through a ragged prefill (prompts of 40 and 23,
+    padded to 40) and decode steps, against full attention over all positions with the window mask."""
+    from model import CausalPrompt, RingKVCache
+
+    torch.manual_seed(0)
+    window, heads, kv_heads, dim, total = 16, 4, 2, 8, 60
+    q = torch.randn(2, heads, total, dim)
+    k, v = torch.randn(2, kv_heads, total, dim), torch.randn(2, kv_heads, total, dim)
+    pos = torch.arange(total)
+    allowed = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+
+    ring = RingKVCache(2, window, kv_heads, dim, torch.float32)
+    lengths = torch.tensor([40, 23])
+    prompt = ring(q[:, :, :40], k[:, :, :40], v[:, :, :40], pos[:40].expand(2, -1), CausalPrompt(lengths))
+    torch.testing.assert_close(prompt[0], expected[0, :, :40])
+    torch.testing.assert_close(prompt[1, :, :23], expected[1, :, :23])
+    steps = [lengths.clone()]
+    for _ in range(total - 41):  # one new position per sequence per step, each at its own position
+        at = steps[-1]
+        b = torch.arange(2)
+        y = ring(q[b, :, at].unsqueeze(2), k[b, :, at].unsqueeze(2), v[b, :, at].unsqueeze(2), at[:, None], None)
+        torch.testing.assert_close(y[:, :, 0], expected[b, :, at])
+        steps.append(at + 1)
+
+
+def test_mistral_sliding_window_preset_sets_up_rings():
+    from model import RingKVCache
+
     with torch.device("meta"):
         model = Transformer.from_name("Mistral-7B-v0.1")
-    with pytest.raises(ValueError, match="sliding-window"):
-        model.setup_caches(1, 8192)
+    model.setup_caches(1, 8192)
+    assert all(isinstance(b.attention.kv_cache, RingKVCache) and b.attention.kv_cache.k_cache.shape[2] == 4096
+               for b in model.layers)
+
+
+def test_gemma3_preset_layer_layout():
+    config = ModelArgs.from_name("gemma-3-270m")
+    assert [i for i in range(config.n_layer) if config.window(i) is None] == [5, 11, 17]
+    with torch.device("meta"):
+        model = Transformer(config)
+    n = sum(p.numel() for p in model.parameters())
+    assert abs(n - 268e6) / 268e6 < 0.02, n

@@ -18,6 +18,7 @@ def test_rouge1_recall_of_the_needle():
 class FakeRunner:
     """Answers right only at depth 0, and only for `good`; the prompt itself is real."""
     methods = ["full", "good", "bad"]
+    chat = True
 
     def __init__(self, tokenizer):
         self.tokenizer, self.calls = tokenizer, 0
@@ -46,3 +47,15 @@ def test_sweep_tables_and_heatmaps(tmp_path):
     assert table[4] == "| bad | 0.140 | 0/2 | 0/2 | 0/4 | 0.05 |"
     heatmap(rows, "good", [300, 600], [0, 100], tmp_path / "good.png")
     assert (tmp_path / "good.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_completion_prompts_end_where_the_answer_starts():
+    from scripts.convert_gguf import prepare_default_checkpoint
+    from scripts.haystack import ANSWER_PREFIX, needle_prompt
+    from tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(prepare_default_checkpoint().parent)
+    prompt = needle_prompt(tokenizer, 500, 50, chat=False)
+    text = tokenizer.decode(prompt)
+    assert text.endswith("Answer: " + ANSWER_PREFIX) and "<|im_start|>" not in text
+    assert NEEDLE.strip() in text

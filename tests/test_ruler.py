@@ -179,6 +179,8 @@ class FakeRunner:
     """Replies from what make_sample returned for the prompt: full answers all references (upper case),
     kivi-1bit only the first and only in a task's first sample (of two), streaming nothing."""
 
+    chat = True
+
     def __init__(self, tokenizer, methods, references_of):
         self.tokenizer, self.methods, self.references_of = tokenizer, methods, references_of
         self.calls = []
@@ -197,8 +199,8 @@ def fake_cli(monkeypatch, tokenizer, tmp_path):
     """ruler.main with the fake runner; returns (run(argv) -> runner, out dir)."""
     references_of = {}
 
-    def recording_make_sample(*args):
-        sample = make_sample(*args)
+    def recording_make_sample(*args, **kwargs):
+        sample = make_sample(*args, **kwargs)
         references_of[tuple(sample.prompt_tokens)] = sample.references
         return sample
 

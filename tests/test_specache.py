@@ -13,6 +13,10 @@ from specache import SpeCacheConfig, SpeCacheLayer, select_top_k, setup_specache
 VOCAB = 97
 # small groups so that a few dozen steps cross several window flushes
 SMALL = dict(group=16, residual=16)
+# Gemma-3's layout in small: layers 0 and 2 see a window of 16 positions (their own RoPE base), layer 1 everything
+HYBRID = dict(n_layer=3, sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+              rope_local_base=500.0, sandwich_norm=True, qk_norm=True, ffn_activation="gelu_tanh",
+              scale_embeddings=True, norm_in_fp32=True)
 
 
 def prompts_of(*lengths, seed=0):
@@ -30,11 +34,13 @@ def run_full(model, prompts, new_tokens):
     return generate(model, prompts, new_tokens, temperature=0)
 
 
+@pytest.mark.parametrize("layout", ["llama", "hybrid"])
 @pytest.mark.parametrize("speculative", [True, False])
 @pytest.mark.parametrize("bits", [1, 2])
-def test_fetching_every_position_reproduces_the_full_cache(speculative, bits):
-    """With top-k at least the context, every quantized position is fetched in exact precision."""
-    model = tiny_model()
+def test_fetching_every_position_reproduces_the_full_cache(speculative, bits, layout):
+    """With top-k at least the context, every quantized position is fetched in exact precision.
+    Hybrid: the sliding-window layers' rings (ragged prompts, two-row steps) == the full cache's."""
+    model = tiny_model(**(HYBRID if layout == "hybrid" else {}))
     prompts = prompts_of(45, 83)
     full = run_full(model, prompts, 40)
     config = SpeCacheConfig(bits=bits, topk=256, speculative=speculative, pair_dtype=torch.float32, **SMALL)
@@ -203,12 +209,14 @@ def test_batch_of_three_prompts_equals_each_alone():
         assert run_specache(model, [prompt], 24, config).tokens[0] == batched.tokens[i]
 
 
-@pytest.mark.parametrize("cache", ["specache", "specache-nospec"])
-def test_compiled_decode_matches_eager_and_never_recompiles(cache):
+@pytest.mark.parametrize("cache, layout", [("specache", "llama"), ("specache-nospec", "llama"),
+                                           ("specache", "hybrid")])
+def test_compiled_decode_matches_eager_and_never_recompiles(cache, layout):
+    """Hybrid: the sliding-window layers' rings wrap as positions move, in their own graph."""
     from torch._dynamo.utils import counters
 
     config = SpeCacheConfig(topk=8, speculative=cache == "specache", **SMALL)
-    model = tiny_model()
+    model = tiny_model(**(HYBRID if layout == "hybrid" else {}))
     prompts = prompts_of(50, 71)
     eager = run_specache(model, prompts, 40, config)
     torch._dynamo.reset()
@@ -249,3 +257,23 @@ def test_head_dims_that_do_not_fill_bytes_are_refused():
     with pytest.raises(ValueError, match="head_dim x bits must be a multiple of 8"):
         SpeCacheConfig(bits=1).validate(36)
     SpeCacheConfig(bits=2).validate(36)
+
+
+def test_hybrid_models_offload_only_their_full_attention_layers():
+    model = tiny_model(**HYBRID)
+    result = run_specache(model, prompts_of(70), 8, SpeCacheConfig(**SMALL))
+    kinds = [type(layer.attention.kv_cache).__name__ for layer in model.layers]
+    assert kinds == ["SpeCacheWindow", "SpeCacheLayer", "SpeCacheWindow"]
+    stats = result.stats
+    assert (stats["full_attention_layers"], stats["sliding_window_layers"]) == (1, 2)
+    # a ring of 16-bit pairs, as the full cache's, plus each slot's position (8 bytes)
+    pair_bytes = 2 * model.config.n_local_heads * model.config.head_dim * 2
+    assert stats["fast_tier_ratio_sliding_window_layers"] == pytest.approx(1 + 8 / pair_bytes)
+    assert stats["fast_tier_bytes"] == (stats["fast_tier_bytes_full_attention_layers"]
+                                        + stats["fast_tier_bytes_sliding_window_layers"])
+
+
+def test_models_with_only_sliding_window_layers_are_refused():
+    model = tiny_model(sliding_window=16)
+    with pytest.raises(ValueError, match="nothing to offload"):
+        setup_specache(model, 1, 64, SpeCacheConfig(**SMALL))
