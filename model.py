@@ -187,6 +187,7 @@ class ModelArgs:
 
 _LLAMA31_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
+
 def _gemma3(n_layer: int, **shape) -> dict:
     """A Gemma-3 text model: every 6th layer global, the others a 512-token window."""
     return dict(n_layer=n_layer, block_size=32768, head_dim=256, vocab_size=262144, rope_base=1000000, norm_eps=1e-6,

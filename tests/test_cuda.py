@@ -36,12 +36,18 @@ def test_mixed_attention_on_cuda_matches_the_cpu_reference():
     torch.testing.assert_close(weights.cpu(), ref_weights, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("cache", ["specache", "specache-nospec", "kivi"])
-def test_specache_on_cuda_generates_what_it_generates_on_cpu(cache):
+@pytest.mark.parametrize("cache, layout", [("specache", "llama"), ("specache-nospec", "llama"), ("kivi", "llama"),
+                                           ("specache", "hybrid")])
+def test_specache_on_cuda_generates_what_it_generates_on_cpu(cache, layout):
+    """Hybrid: sliding-window layers keep their rings on the GPU and fetch nothing, between layers
+    whose fetches run in the background."""
+    from test_specache import HYBRID
+
+    shape = HYBRID if layout == "hybrid" else {}
     config = SpeCacheConfig(topk=0 if cache == "kivi" else 8, speculative=cache == "specache", **SMALL)
     prompts = prompts_of(50, 83)
-    on_cpu = run(tiny_model(), prompts, config)
-    model = tiny_model().cuda()
+    on_cpu = run(tiny_model(**shape), prompts, config)
+    model = tiny_model(**shape).cuda()
     on_gpu = run(model, prompts, config)
     layer = specache.specache_layers(model)[0]
     assert layer.slow.k.device.type == "cpu" and layer.slow.k.is_pinned()

@@ -5,7 +5,6 @@ Mismatch budget: "reproduces" means at most 2 of the first 32 generated tokens d
 full cache's (the full cache answers in 24 tokens and stops).
 """
 import pytest
-import torch
 
 from generate import generate
 from scripts.haystack import answered, needle_prompt
