@@ -12,9 +12,11 @@ its K and V (`batch` copies of it), then decodes `--new_tokens` steps, compiled,
 that compiles the method's graphs. SmolLM2's trained context is 8k: longer prompts here measure
 speed only. A step's time is the median of the steps timed (the box may be shared, and a spike
 in one step then moves no figure); HF's rows take the mean from the first new token to the last.
-Bytes per step are what the step must read: the weights plus what each tier's step reads (the
-full cache: its K and V up to the position, in the model's dtype; SpeCache: its low-bit copy,
-window and fetched pairs; eviction: its kept pairs). The machine's read bandwidth
+The full cache's fast-tier MB are its K and V as allocated, in the model's dtype (rings for
+sliding-window layers). Bytes per step are what the step must read: the weights plus what each
+tier's step reads (the full cache: its K and V up to the position, in the model's dtype, and the
+rings; SpeCache: its low-bit copy, window and fetched pairs, and the rings; eviction: its kept
+pairs, and the rings). The machine's read bandwidth
 (a plain sum of a large tensor) is measured at the start and again around each row, since the box
 may be shared; "% of bw" uses the reading around the row. Ratios to the full cache are tok/s over
 the full cache's tok/s at the same length and batch, in the same run.
@@ -119,9 +121,12 @@ def bench_method(runner: Runner, method: str, prompt: list[int], prefilled, new_
                            callback=lambda tokens: token_times.append(time.perf_counter()))
     bandwidth = (bandwidth_before + measure_read_bandwidth(device)) / 2
     seconds_per_step = statistics.median(b - a for a, b in zip(token_times, token_times[1:]))
+    fast = result.stats.get("fast_tier_bytes")
+    if name == "full":  # all of it is fast tier: K and V in the model's dtype (rings for sliding-window layers)
+        fast = sum(b.nbytes for layer in runner.model.layers for b in layer.attention.kv_cache.buffers())
     return dict(ms_per_step=1e3 * seconds_per_step, tok_s=batch / seconds_per_step,
                 gbps=result.decode_bytes / result.decode_steps / seconds_per_step / 1e9, bandwidth=bandwidth,
-                fast=result.stats.get("fast_tier_bytes"), slow=result.stats.get("slow_tier_bytes"))
+                fast=fast, slow=result.stats.get("slow_tier_bytes"))
 
 
 def release_caches(model: Transformer) -> None:
