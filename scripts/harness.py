@@ -161,7 +161,10 @@ class Runner:
             state.begin(lengths)
             for layer, (k, v, mass) in zip(model.layers, copies):
                 cache = layer.attention.kv_cache
-                cache.ingest_prompt(k, v, mass) if isinstance(cache, EvictionLayer) else cache.ingest_prompt(k, v)
+                if isinstance(cache, EvictionLayer):
+                    cache.ingest_prompt(k, v, mass)
+                else:  # a sliding-window layer's ring
+                    cache.ingest_prompt(k, v)
             return eviction_generate(model, state, prompts, max_new_tokens, **common)
         config = replace(specache_config_for(method, self.topk), overlap_fetch=overlap_fetch)
         state = setup_specache(model, batch_size, capacity, config)
