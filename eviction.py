@@ -215,8 +215,8 @@ def eviction_layers(model: Transformer) -> list[EvictionLayer]:
 
 def ring_bytes(model: Transformer) -> int:
     """Bytes of the sliding-window layers' rings (all sequences)."""
-    return sum(b.nbytes for layer in model.layers if isinstance(layer.attention.kv_cache, RingKVCache)
-               for b in layer.attention.kv_cache.buffers())
+    return sum(layer.attention.kv_cache.fast_tier_bytes() for layer in model.layers
+               if isinstance(layer.attention.kv_cache, RingKVCache))
 
 
 def cache_stats(model: Transformer, state: EvictionState) -> dict:

@@ -422,6 +422,10 @@ class RingKVCache(nn.Module):
         # (all `window` slots get written) and the mask never shows them.
         self.write(k.gather(2, index), v.gather(2, index), positions)
 
+    def fast_tier_bytes(self) -> int:
+        """The ring's K, V and slot positions, all sequences."""
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask: Mask) -> Tensor:
         if isinstance(mask, CausalPrompt):
             y = sliding_window_attention(q, k, v, self.window)

@@ -429,9 +429,6 @@ class SpeCacheWindow(RingKVCache):
             self.write(k[:, :, :1], v[:, :, :1], input_pos[:, :1])
         return y
 
-    def fast_tier_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.buffers())
-
 
 def setup_specache(model: Transformer, batch_size: int, max_seq_length: int, config: SpeCacheConfig) -> SpeCacheState:
     """Replace every full-attention layer's cache with a SpeCache holding `max_seq_length` positions
