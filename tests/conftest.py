@@ -103,10 +103,9 @@ def gemma3_gguf(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def gemma3_checkpoint(gemma3_gguf) -> Path:
     """Gemma-3-270M's model.pth in checkpoints/google/gemma-3-270m (converted once)."""
-    from scripts.convert_gguf import GEMMA_CHECKPOINT_DIR, convert_gguf
+    from scripts.convert_gguf import GEMMA_CHECKPOINT_DIR, prepare_checkpoint
 
-    model_path = GEMMA_CHECKPOINT_DIR / "model.pth"
-    return model_path if model_path.is_file() else convert_gguf(gemma3_gguf, GEMMA_CHECKPOINT_DIR)
+    return prepare_checkpoint(GEMMA_CHECKPOINT_DIR, lambda download_dir: gemma3_gguf, "Gemma-3-270M")
 
 
 @pytest.fixture(scope="session")
