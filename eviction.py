@@ -202,8 +202,8 @@ def equal_budget_tokens(model: Transformer, capacity: int, specache_config: "Spe
     dtype = specache_config.pair_dtype_for(model.tok_embeddings.weight.dtype)
     capacity = -(-capacity // specache_config.group) * specache_config.group
     meta = torch.device("meta")  # sizes only: nothing is allocated
-    layer = SpeCacheLayer(SpeCacheState(specache_config, 1, capacity, meta), c.n_local_heads, c.head_dim, dtype,
-                          meta, executor=None)
+    layer = SpeCacheLayer(SpeCacheState(specache_config, 1, capacity, meta), c.n_head, c.n_local_heads, c.head_dim,
+                          dtype, meta, executor=None)
     one_slot = EvictionLayer(EvictionState(EvictionConfig("h2o", budget=1), 1), c.n_local_heads, c.head_dim, dtype, meta)
     return layer.fast_tier_bytes() // one_slot.fast_tier_bytes()
 

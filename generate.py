@@ -338,6 +338,8 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specache import DEFAULT_SELECT
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=None,
                    help="model.pth, or the directory holding it (default: SmolLM2-135M-Instruct, prepared offline)")
@@ -374,8 +376,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="R: newest tokens kept 16-bit, a multiple of g (default 64)")
     g.add_argument("--specache_topk", type=int, default=64,
                    help="k: 16-bit pairs fetched per layer and KV head each step (default 64)")
+    g.add_argument("--specache_select", default="default", metavar="SELECTION",
+                   help="how the k pairs are chosen: 'paper' (the paper's rule: the speculative row's top-k, mean "
+                        "over query heads), 'default' (ours: " + DEFAULT_SELECT + "), or a comma-separated list of "
+                        "changes to the paper's rule: split[=share] (that share of k chosen by the real row within "
+                        "the step, default 0.5), gqa-max, correct[=cosine] (re-choose a head's k when its query "
+                        "moved, default 0.9), sinks[=n] (first n positions exact, default 4), lloyd (1-bit levels "
+                        "at the group's half means), lookup (prompt-lookup speculative token), reuse (count only "
+                        "pairs not held already), oracle (diagnostics: exact top-k from the slow tier); see "
+                        "specache.py and docs/RESULTS.md")
     g.add_argument("--specache_stats", action="store_true",
-                   help="also measure recall@k of the prefetched pairs (an extra scoring pass per layer)")
+                   help="also measure, per layer and KV head, recall of the fetched pairs against the real token's "
+                        "own low-bit and exact top-k, and the share of its exact attention read in 16 bits "
+                        "(extra scoring passes per layer)")
     g.add_argument("--budget_tokens", type=int, default=None,
                    help="streaming/h2o: tokens kept per layer and KV head (default: as many as fit in the fast-tier "
                         "bytes SpeCache would use with the --specache_* settings at this length; see eviction.py)")
@@ -414,9 +427,13 @@ def validate_args(args: argparse.Namespace) -> None:
 def specache_config(args: argparse.Namespace):
     from specache import SpeCacheConfig
 
-    return SpeCacheConfig(bits=args.specache_bits, group=args.specache_group, residual=args.specache_residual,
-                          topk=0 if args.cache == "kivi" else args.specache_topk,
-                          speculative=args.cache == "specache", stats=args.specache_stats)
+    config = SpeCacheConfig(bits=args.specache_bits, group=args.specache_group, residual=args.specache_residual,
+                            topk=0 if args.cache == "kivi" else args.specache_topk,
+                            speculative=args.cache == "specache", stats=args.specache_stats)
+    try:
+        return config.with_select(args.specache_select)
+    except ValueError as e:
+        raise UserError(str(e)) from e
 
 
 def eviction_config(args: argparse.Namespace, model: Transformer, max_seq_length: int):
@@ -439,10 +456,16 @@ def cache_summary(stats: dict) -> str:
                  f"{stats['fast_tier_ratio_full_attention_layers']:.3f}x their 16-bit cache, "
                  f"{stats['sliding_window_layers']} sliding-window layers keep their 16-bit rings "
                  f"({stats['fast_tier_bytes_sliding_window_layers'] / 1e6:.1f} MB)")
+    line += f"; selection: {stats['select']}"
     if stats.get("speculative_match_rate") is not None:
         line += f", speculative token right {100 * stats['speculative_match_rate']:.0f}% of steps"
-    if stats.get("recall_at_k") is not None:
-        line += f", recall@{stats['topk']} {100 * stats['recall_at_k']:.0f}%"
+    if stats.get("prefetch_discarded_share") is not None:
+        line += f", prefetch discarded on {100 * stats['prefetch_discarded_share']:.0f}% of KV heads"
+    if "diagnostics" in stats:
+        d = stats["diagnostics"]
+        line += (f"; the real token's exact attention read in 16 bits: {100 * d['coverage']:.1f}% (the exact top-"
+                 f"{stats['topk']}: {100 * d['oracle_coverage']:.1f}%), recall of its own low-bit top-k "
+                 f"{100 * d['recall_own_lowbit']:.0f}%, of its exact top-k {100 * d['recall_exact']:.0f}%")
     return line
 
 
@@ -534,8 +557,10 @@ def run(args: argparse.Namespace) -> None:
 
     use_flex = args.compile and flex_attention_available(device) and args.cache == "full"
     if args.compile:
-        # the non-speculative baseline waits for its fetch inside the layer: on a GPU that splits the graph
-        compile_decode(model, fullgraph=not (args.cache == "specache-nospec" and device.type == "cuda"))
+        from specache import compiles_whole
+
+        # a step that waits for a fetch inside the layer splits the graph on a GPU
+        compile_decode(model, fullgraph=state is None or compiles_whole(state.config, device))
     stream = len(prompts) == 1 and not args.json
     runs = ([-1] if args.compile or args.compile_prefill else []) + list(range(args.num_samples))
     results = []

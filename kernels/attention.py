@@ -102,10 +102,11 @@ def value_mix_reference(p: Tensor, kv: LowBitKV) -> Tensor:
 # The mixed-precision attention
 # ---------------------------------------------------------------------------------------------
 
-def _rows(q: Tensor, n_kv_heads: int) -> Tensor:
-    """(B, H, S, D) -> (B, Hkv, G*S, D): the query rows that share each KV head; row = g*S + s."""
+def query_rows(q: Tensor, n_kv_heads: int) -> Tensor:
+    """(B, H, S, D) -> (B, Hkv, G*S, D), fp32 and scaled by D**-0.5: the query rows that share each
+    KV head; row = g*S + s."""
     b, h, s, d = q.shape
-    return q.reshape(b, n_kv_heads, (h // n_kv_heads) * s, d)
+    return q.reshape(b, n_kv_heads, (h // n_kv_heads) * s, d).float() * d ** -0.5
 
 
 def lowbit_partial_attention(rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor,
@@ -127,17 +128,60 @@ def lowbit_partial_attention(rows: Tensor, kv: LowBitKV, visible_len: Tensor, ex
     return lowbit_partial_attention_torch(rows, kv, visible_len, excluded_pos, excluded_valid)
 
 
+def positions_mask(positions: Tensor, valid: Tensor, t: int) -> Tensor:
+    """(B, Hkv, T) bool: which of the positions [0, T) some valid slot of `positions` (B, Hkv, K)
+    holds. Counted, not scattered as booleans: an invalid slot may repeat a valid slot's position."""
+    counts = torch.zeros(positions.shape[:2] + (t,), dtype=torch.int32, device=positions.device)
+    in_range = valid & (positions >= 0) & (positions < t)
+    return counts.scatter_add(-1, positions.clamp(0, t - 1), in_range.to(torch.int32)) > 0
+
+
 def lowbit_partial_attention_torch(rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor,
                                    excluded_valid: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """lowbit_partial_attention from `key_scores` and `value_mix` (where neither kernel runs)."""
     t = kv.k_packed.shape[2]
-    excluded = torch.zeros(excluded_pos.shape[:2] + (t,), dtype=torch.bool, device=rows.device)
-    excluded = excluded.scatter(-1, excluded_pos.clamp(0, t - 1), excluded_valid & (excluded_pos < t))
-    allowed = (torch.arange(t, device=rows.device) < visible_len[:, None, None]) & ~excluded
+    allowed = (torch.arange(t, device=rows.device) < visible_len[:, None, None]) & ~positions_mask(
+        excluded_pos, excluded_valid, t)
     scores = key_scores(rows, kv).masked_fill(~allowed.unsqueeze(2), float("-inf"))
     row_max = scores.amax(-1)
     weights = torch.exp(scores - torch.where(row_max.isfinite(), row_max, 0.0).unsqueeze(-1))
     return weights, row_max, weights.sum(-1), value_mix(weights, kv)
+
+
+class LowBitPart(NamedTuple):
+    """The low-bit segment's softmax pieces (see `lowbit_partial_attention`)."""
+    weights: Tensor  # (B, Hkv, M, T) exp(score - row_max) at the positions attended in low bits, 0 elsewhere
+    row_max: Tensor  # (B, Hkv, M)
+    row_sum: Tensor  # (B, Hkv, M)
+    out: Tensor  # (B, Hkv, M, D), unnormalized
+
+
+def lowbit_part(rows: Tensor, kv: LowBitKV, seg: Segments) -> LowBitPart:
+    """The low-bit segment of `seg`: positions [0, Lq) less the valid fetched ones."""
+    return LowBitPart(*lowbit_partial_attention(rows, kv, seg.quantized_len, seg.fetched_pos, seg.fetched_valid))
+
+
+def dequantize_values_at(kv: LowBitKV, positions: Tensor) -> Tensor:
+    """The low-bit copy's values (B, Hkv, K, D), fp32, at positions (B, Hkv, K)."""
+    def at(x: Tensor) -> Tensor:
+        return x.gather(2, positions.unsqueeze(-1).expand(*positions.shape, x.shape[-1]))
+
+    return dequantize_values(at(kv.v_packed), at(kv.v_scale), at(kv.v_zero), kv.bits, kv.group)
+
+
+def drop_from_lowbit(part: LowBitPart, kv: LowBitKV, positions: Tensor, valid: Tensor) -> LowBitPart:
+    """`part` as if the valid `positions` (B, Hkv, K, distinct per head) had been excluded from the
+    low-bit pass: their weights and weighted values are subtracted. This is how positions chosen
+    from the low-bit pass's own weights move to the 16-bit segment without a second pass; the
+    error is that of the subtraction, a few ulps of the row's low-bit sum (tested against a pass
+    that excludes them). Positions already at weight 0 (excluded or invisible) change nothing."""
+    m = part.weights.shape[2]
+    index = positions.unsqueeze(2).expand(-1, -1, m, -1)  # (B, Hkv, M, K)
+    dropped = part.weights.gather(-1, index) * valid.unsqueeze(2)
+    out = part.out - dropped @ dequantize_values_at(kv, positions)
+    row_sum = (part.row_sum - dropped.sum(-1)).clamp_min(0.0)
+    weights = part.weights.scatter(-1, index, part.weights.gather(-1, index) - dropped)
+    return LowBitPart(weights, part.row_max, row_sum, out)
 
 
 def _segment_masks(seg: Segments, s: int, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -150,6 +194,49 @@ def _segment_masks(seg: Segments, s: int, group_size: int) -> tuple[Tensor, Tens
     return seg.fetched_valid.unsqueeze(2), window, new[None, None]
 
 
+class Merged(NamedTuple):
+    """One softmax over the four segments, for rows (B, Hkv, M, D) with M = G*S, row = g*S + s."""
+    lowbit_scale: Tensor  # (B, Hkv, M, 1): the factor that turns the low-bit weights into probabilities
+    p_fetched: Tensor  # (B, Hkv, M, k) probabilities of the fetched pairs
+    p_window: Tensor  # (B, Hkv, M, R)
+    p_new: Tensor  # (B, Hkv, M, S)
+
+
+def merge_softmax(rows: Tensor, part: LowBitPart, seg: Segments, s: int) -> Merged:
+    """The log-sum-exp merge of the low-bit segment with the three 16-bit ones."""
+    g = rows.shape[2] // s
+    fetched_ok, window_ok, new_ok = _segment_masks(seg, s, g)
+    neg = float("-inf")
+    scores = [(rows @ seg.fetched_k.float().transpose(-1, -2)).masked_fill(~fetched_ok, neg),
+              (rows @ seg.window_k.float().transpose(-1, -2)).masked_fill(~window_ok, neg),
+              (rows @ seg.new_k.float().transpose(-1, -2)).masked_fill(~new_ok, neg)]
+    # every row sees its own key, so the maximum is finite; KIVI alone fetches nothing (k = 0)
+    top = torch.stack([part.row_max] + [x.amax(-1) for x in scores if x.shape[-1]], -1).amax(-1, keepdim=True)
+    lowbit_scale = torch.exp(part.row_max.unsqueeze(-1) - top)  # 0 when nothing is low-bit yet
+    weights = [torch.exp(x - top) for x in scores]
+    total = part.row_sum.unsqueeze(-1) * lowbit_scale + sum(w.sum(-1, keepdim=True) for w in weights)
+    return Merged(lowbit_scale / total, *(w / total for w in weights))
+
+
+def merged_output(part: LowBitPart, merged: Merged, seg: Segments) -> Tensor:
+    """The attention output (B, Hkv, M, D), fp32."""
+    return (part.out * merged.lowbit_scale + merged.p_fetched @ seg.fetched_v.float()
+            + merged.p_window @ seg.window_v.float() + merged.p_new @ seg.new_v.float())
+
+
+def row_position_weights(part: LowBitPart, merged: Merged, seg: Segments, s: int, row: int) -> Tensor:
+    """How much weight each position of the history [0, T) gets from new row `row` (0 <= row < S), per
+    query head: (B, Hkv, G, T); fetched and window positions with their 16-bit weight."""
+    b, n_kv, m, t = part.weights.shape
+    g = m // s
+    pick = lambda x: x.view(b, n_kv, g, s, x.shape[-1])[:, :, :, row]  # (B, Hkv, G, N): that row's
+    p_fetched, p_window = pick(merged.p_fetched), pick(merged.p_window)
+    window_pos = (seg.quantized_len[:, None] + torch.arange(seg.window_k.shape[2], device=part.weights.device))
+    weights = pick(part.weights) * pick(merged.lowbit_scale)
+    return (weights.scatter_add(-1, seg.fetched_pos.clamp(0, t - 1).unsqueeze(2).expand_as(p_fetched), p_fetched)
+            .scatter_add(-1, window_pos.clamp(max=t - 1)[:, None, None, :].expand_as(p_window), p_window))
+
+
 def mixed_attention(q: Tensor, kv: LowBitKV, seg: Segments) -> tuple[Tensor, Tensor]:
     """Attention of q (B, H, S, D) over the four segments; see the module docstring.
 
@@ -157,31 +244,12 @@ def mixed_attention(q: Tensor, kv: LowBitKV, seg: Segments) -> tuple[Tensor, Ten
     positions [0, T), averaged over each KV head's query heads: (B, Hkv, T).
     """
     b, n_heads, s, d = q.shape
-    n_kv, t = kv.k_packed.shape[1], kv.k_packed.shape[2]
-    g = n_heads // n_kv
-    rows = _rows(q, n_kv).float() * d ** -0.5
-    p_lowbit, lowbit_max, lowbit_sum, lowbit_out = lowbit_partial_attention(
-        rows, kv, seg.quantized_len, seg.fetched_pos, seg.fetched_valid)
-    fetched_ok, window_ok, new_ok = _segment_masks(seg, s, g)
-    neg = float("-inf")
-    scores = [(rows @ seg.fetched_k.float().transpose(-1, -2)).masked_fill(~fetched_ok, neg),
-              (rows @ seg.window_k.float().transpose(-1, -2)).masked_fill(~window_ok, neg),
-              (rows @ seg.new_k.float().transpose(-1, -2)).masked_fill(~new_ok, neg)]
-    # every row sees its own key, so the maximum is finite; KIVI alone fetches nothing (k = 0)
-    top = torch.stack([lowbit_max] + [x.amax(-1) for x in scores if x.shape[-1]], -1).amax(-1, keepdim=True)
-    lowbit_scale = torch.exp(lowbit_max.unsqueeze(-1) - top)  # 0 when nothing is low-bit yet
-    weights = [torch.exp(x - top) for x in scores]
-    total = lowbit_sum.unsqueeze(-1) * lowbit_scale + sum(w.sum(-1, keepdim=True) for w in weights)
-    p_fetched, p_window, p_new = (w / total for w in weights)
-    out = (lowbit_out * (lowbit_scale / total) + p_fetched @ seg.fetched_v.float() + p_window @ seg.window_v.float()
-           + p_new @ seg.new_v.float())
-    last = lambda x: x.view(b, n_kv, g, s, x.shape[-1])[:, :, :, -1]  # (B, Hkv, G, N): the last row's
-    p_fetched, p_window = last(p_fetched), last(p_window)
-    window_pos = (seg.quantized_len[:, None] + torch.arange(seg.window_k.shape[2], device=q.device)).clamp(max=t - 1)
-    position_weights = last(p_lowbit) * last(lowbit_scale / total)
-    position_weights = (position_weights.scatter_add(-1, seg.fetched_pos.unsqueeze(2).expand_as(p_fetched), p_fetched)
-                        .scatter_add(-1, window_pos[:, None, None, :].expand_as(p_window), p_window))
-    return out.reshape(b, n_heads, s, d).to(q.dtype), position_weights.mean(2)
+    n_kv = kv.k_packed.shape[1]
+    rows = query_rows(q, n_kv)
+    part = lowbit_part(rows, kv, seg)
+    merged = merge_softmax(rows, part, seg, s)
+    out = merged_output(part, merged, seg)
+    return out.reshape(b, n_heads, s, d).to(q.dtype), row_position_weights(part, merged, seg, s, s - 1).mean(2)
 
 
 def mixed_attention_reference(q: Tensor, kv: LowBitKV, seg: Segments) -> tuple[Tensor, Tensor]:

@@ -9,6 +9,11 @@ scale s and zero z (fp16 or bf16) and dequantizes as `x' = code * s + z`:
   code 1 when x >= (m + M) / 2. KIVI's own 1-bit levels sit at the extremes and make models
   collapse; a naive round((x - z) / s) would also give code 2 at the maximum, hence the clamp.
 
+1-bit copies may instead take their two levels from the data (`levels="lloyd"`): the means of the
+group's values below and above its midpoint (m + M) / 2, one step of Lloyd-Max from SpeCache's
+levels, stored in the same scale and zero (z = the lower mean, s = the upper mean - z), so nothing
+downstream changes. 2-bit copies always take the uniform levels.
+
 Codes are chosen against the stored (rounded) scale and zero, so they are nearest for the levels
 that dequantization will actually use. Both keys and values are packed along channels, per token:
 token t's codes fill `head_dim * bits / 8` bytes (head_dim * bits must be a multiple of 8), element
@@ -18,6 +23,7 @@ import torch
 from torch import Tensor
 
 SCALE_DTYPES = (torch.float16, torch.bfloat16)
+LEVELS = ("minmax", "lloyd")
 
 
 def sixteen_bit_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -44,14 +50,23 @@ def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
     return codes.flatten(-2)[..., :n]
 
 
-def quantize_groups(x: Tensor, bits: int, dim: int, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+def quantize_groups(x: Tensor, bits: int, dim: int, scale_dtype: torch.dtype,
+                    levels: str = "minmax") -> tuple[Tensor, Tensor, Tensor]:
     """Quantize x with one (scale, zero) per slice along `dim` (min and max taken over `dim`).
 
     Returns integer codes shaped like x (uint8), and scale and zero with `dim` kept as size 1.
     """
     xf = x.float()
     lo, hi = xf.amin(dim, keepdim=True), xf.amax(dim, keepdim=True)
-    if bits == 1:
+    if bits == 1 and levels == "lloyd":
+        upper = xf >= (lo + hi) / 2
+        n_upper = upper.sum(dim, keepdim=True)
+        n_lower = xf.shape[dim] - n_upper
+        sum_upper = torch.where(upper, xf, 0.0).sum(dim, keepdim=True)
+        sum_lower = xf.sum(dim, keepdim=True) - sum_upper
+        zero = torch.where(n_lower > 0, sum_lower / n_lower.clamp_min(1), lo)
+        scale = torch.where(n_upper > 0, sum_upper / n_upper.clamp_min(1), hi) - zero
+    elif bits == 1:
         zero, scale = (3 * lo + hi) / 4, (hi - lo) / 2
     elif bits == 2:
         zero, scale = lo, (hi - lo) / 3
@@ -64,10 +79,11 @@ def quantize_groups(x: Tensor, bits: int, dim: int, scale_dtype: torch.dtype) ->
     return codes, scale, zero
 
 
-def quantize_keys(k: Tensor, bits: int, group: int, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+def quantize_keys(k: Tensor, bits: int, group: int, scale_dtype: torch.dtype,
+                  levels: str = "minmax") -> tuple[Tensor, Tensor, Tensor]:
     """Keys (..., T, D), T a multiple of `group`: packed codes (..., T, D*bits/8), scale and zero (..., T/group, D)."""
     *lead, t, d = k.shape
-    codes, scale, zero = quantize_groups(k.reshape(*lead, t // group, group, d), bits, -2, scale_dtype)
+    codes, scale, zero = quantize_groups(k.reshape(*lead, t // group, group, d), bits, -2, scale_dtype, levels)
     return pack_bits(codes.reshape(*lead, t, d), bits), scale.squeeze(-2), zero.squeeze(-2)
 
 
@@ -75,11 +91,12 @@ def value_group(group: int, head_dim: int) -> int:
     return min(group, head_dim)
 
 
-def quantize_values(v: Tensor, bits: int, group: int, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+def quantize_values(v: Tensor, bits: int, group: int, scale_dtype: torch.dtype,
+                    levels: str = "minmax") -> tuple[Tensor, Tensor, Tensor]:
     """Values (..., T, D): packed codes (..., T, D*bits/8), scale and zero (..., T, D/group_v)."""
     *lead, t, d = v.shape
     gv = value_group(group, d)
-    codes, scale, zero = quantize_groups(v.reshape(*lead, t, d // gv, gv), bits, -1, scale_dtype)
+    codes, scale, zero = quantize_groups(v.reshape(*lead, t, d // gv, gv), bits, -1, scale_dtype, levels)
     return pack_bits(codes.reshape(*lead, t, d), bits), scale.squeeze(-1), zero.squeeze(-1)
 
 

@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from generate import full_cache_step_bytes, load_model, weight_bytes  # noqa: E402
 from model import ModelArgs, Transformer, transformer_configs  # noqa: E402
 from scripts.convert_gguf import find_default_gguf, prepare_default_checkpoint  # noqa: E402
-from scripts.harness import METHODS, RESULTS_DIR, Runner, write_report  # noqa: E402
+from scripts.harness import RESULTS_DIR, Runner, method_argument, write_report  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
 DEFAULT_METHODS = ["full", "specache-1bit", "specache-2bit", "specache-nospec-1bit", "kivi-1bit"]
@@ -126,7 +126,9 @@ def bench_method(runner: Runner, method: str, prompt: list[int], prefilled, new_
         fast = sum(b.nbytes for layer in runner.model.layers for b in layer.attention.kv_cache.buffers())
     return dict(ms_per_step=1e3 * seconds_per_step, tok_s=batch / seconds_per_step,
                 gbps=result.decode_bytes / result.decode_steps / seconds_per_step / 1e9, bandwidth=bandwidth,
-                fast=fast, slow=result.stats.get("slow_tier_bytes"))
+                fast=fast, slow=result.stats.get("slow_tier_bytes"),
+                fetched=result.stats.get("bytes_fetched_per_token"),
+                discarded=result.stats.get("prefetch_discarded_share"))
 
 
 def release_caches(model: Transformer) -> None:
@@ -200,7 +202,7 @@ def quanto_available() -> bool:
 
 def table(rows: list[dict], title: str) -> str:
     lines = [title, "", "| context | batch | method | prefill s | decode ms/step | tok/s | GB/s | % of bw | fast-tier KV MB "
-             "| slow-tier KV MB | tok/s vs full |", "|---" * 11 + "|"]
+             "| slow-tier KV MB | fetched kB/token | prefetch discarded | tok/s vs full |", "|---" * 13 + "|"]
     rows = sorted(rows, key=lambda r: (r["length"], r["batch"]))  # stable: methods keep their order
     full = {}  # the first full cache's (the first checkpoint's when there are several)
     for r in rows:
@@ -210,9 +212,11 @@ def table(rows: list[dict], title: str) -> str:
         full_tok_s = full.get((r["length"], r["batch"]))
         ratio = "-" if full_tok_s is None else f"{r['tok_s'] / full_tok_s:.2f}x"
         mb = lambda x: "-" if x is None else f"{x / 1e6:.1f}"
+        kb = "-" if r.get("fetched") is None else f"{r['fetched'] / 1e3:.0f}"
+        discarded = "-" if r.get("discarded") is None else f"{100 * r['discarded']:.0f}%"
         lines.append(f"| {r['length']} | {r['batch']} | {r['method']} | {r['prefill']:.1f} | {r['ms_per_step']:.1f} | "
                      f"{r['tok_s']:.1f} | {r['gbps']:.1f} | {100 * r['gbps'] / r['bandwidth']:.0f}% | {mb(r['fast'])} | "
-                     f"{mb(r['slow'])} | {ratio} |")
+                     f"{mb(r['slow'])} | {kb} | {discarded} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -249,8 +253,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192, 16384], help="context lengths")
     parser.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--methods", nargs="+", default=None, choices=list(METHODS) + [WAITED], metavar="METHOD",
-                        help=f"default: {' '.join(DEFAULT_METHODS)}, and '{WAITED}' on a GPU")
+    parser.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
+                        type=lambda m: m if m == WAITED else method_argument(m),
+                        help=f"default: {' '.join(DEFAULT_METHODS)}, and '{WAITED}' on a GPU; SpeCache methods take "
+                             "a selection after a colon (specache-1bit:paper), as in the evaluation scripts")
     parser.add_argument("--new_tokens", type=int, default=32, help="decode steps timed per measurement")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

@@ -36,11 +36,11 @@ from eviction import EvictionConfig, EvictionLayer, equal_budget_tokens, evictio
     setup_eviction  # noqa: E402
 from generate import GenerationResult, compile_decode, generate, load_model, prefill, resolve_checkpoint  # noqa: E402
 from model import Transformer, flex_attention_available, prompt_attention  # noqa: E402
-from specache import SpeCacheConfig, setup_specache, specache_generate  # noqa: E402
+from specache import SpeCacheConfig, compiles_whole, parse_select, setup_specache, specache_generate  # noqa: E402
 from tokenizer import Tokenizer, get_tokenizer  # noqa: E402
 
-METHODS = ("full", "specache-1bit", "specache-2bit", "specache-nospec-1bit", "specache-nospec-2bit", "kivi-1bit",
-           "kivi-2bit", "streaming", "h2o")
+BASE_METHODS = ("full", "specache-1bit", "specache-2bit", "specache-nospec-1bit", "specache-nospec-2bit", "kivi-1bit",
+                "kivi-2bit", "streaming", "h2o")
 DEFAULT_METHODS = ("full", "specache-1bit", "specache-2bit", "kivi-1bit", "kivi-2bit", "streaming", "h2o")
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "docs" / "results"
 
@@ -77,9 +77,23 @@ class Prefilled(NamedTuple):
 
 
 def specache_config_for(method: str, topk: int) -> SpeCacheConfig:
-    name, bits = method.rsplit("-", 1)
-    return SpeCacheConfig(bits=int(bits.removesuffix("bit")), topk=0 if name == "kivi" else topk,
-                          speculative=name == "specache")
+    """The SpeCache or KIVI configuration a method names: `<cache>-<bits>bit[:<selection>]`, where
+    the selection is --specache_select's (default: ours for SpeCache, the paper's for KIVI)."""
+    base, _, select = method.partition(":")
+    name, bits = base.rsplit("-", 1)
+    config = SpeCacheConfig(bits=int(bits.removesuffix("bit")), topk=0 if name == "kivi" else topk,
+                            speculative=name == "specache")
+    return config.with_select(select or ("paper" if name == "kivi" else "default"))
+
+
+def check_method(method: str) -> str:
+    """`method` if it names a method (for argparse), else ValueError."""
+    base, _, select = method.partition(":")
+    if base not in BASE_METHODS or (select and base in ("full", "streaming", "h2o")):
+        raise ValueError(f"unknown method {method!r}: use one of {', '.join(BASE_METHODS)}, the SpeCache and KIVI "
+                         "ones optionally with :<selection> (see --specache_select)")
+    parse_select(select)
+    return method
 
 
 class Runner:
@@ -87,19 +101,23 @@ class Runner:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, methods: list[str], topk: int = 64,
                  budget_bits: int = 1, sink_tokens: int = 4, compile: bool = False, round_capacity: bool = True,
-                 chat: bool = True):
-        unknown = [m for m in methods if m not in METHODS]
-        if unknown:
-            raise ValueError(f"unknown methods {unknown}: use some of {', '.join(METHODS)}")
+                 chat: bool = True, stats: bool = False):
+        for method in methods:
+            check_method(method)
         self.model, self.tokenizer, self.methods = model, tokenizer, list(methods)
         self.chat = chat  # the scripts' prompts: the chat format, or completion prompts for a base model
         self.topk, self.budget_bits, self.sink_tokens = topk, budget_bits, sink_tokens
+        self.stats = stats  # SpeCache's diagnostics (recall, coverage), at the cost of extra passes
         self.stop_ids = frozenset(tokenizer.stop_ids)
         self.compiled = compile
         self.capacity_step = 1024 if compile and round_capacity else 1
-        if compile:  # the non-speculative baseline's synchronous fetch breaks the graph on a GPU
-            on_gpu = model.tok_embeddings.weight.device.type == "cuda"
-            compile_decode(model, fullgraph=not (on_gpu and any("nospec" in m for m in methods)))
+        if compile:  # on a GPU, a step that waits for a fetch breaks the layer's graph
+            device = model.tok_embeddings.weight.device
+            compile_decode(model, fullgraph=all(compiles_whole(self.config(m), device) for m in methods
+                                                if m.split(":")[0] not in ("full", "streaming", "h2o")))
+
+    def config(self, method: str) -> SpeCacheConfig:
+        return replace(specache_config_for(method, self.topk), stats=self.stats)
 
     def budget(self, capacity: int) -> int:
         return equal_budget_tokens(self.model, capacity, SpeCacheConfig(bits=self.budget_bits, topk=self.topk))
@@ -166,7 +184,7 @@ class Runner:
                 else:  # a sliding-window layer's ring
                     cache.ingest_prompt(k, v)
             return eviction_generate(model, state, prompts, max_new_tokens, **common)
-        config = replace(specache_config_for(method, self.topk), overlap_fetch=overlap_fetch)
+        config = replace(self.config(method), overlap_fetch=overlap_fetch)
         state = setup_specache(model, batch_size, capacity, config)
         state.begin(lengths)
         for layer, (k, v, _) in zip(model.layers, copies):
@@ -179,9 +197,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and methods")
     g.add_argument("--checkpoint", type=Path, default=None,
                    help="model.pth (default: the embedded SmolLM2-135M-Instruct, prepared offline)")
-    g.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS, metavar="METHOD",
+    g.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), type=method_argument, metavar="METHOD",
                    help=f"caches to compare (default: {' '.join(DEFAULT_METHODS)}; also: "
-                        "specache-nospec-1bit specache-nospec-2bit)")
+                        "specache-nospec-1bit specache-nospec-2bit). SpeCache and KIVI methods take a selection "
+                        "after a colon, as --specache_select names it: specache-1bit:paper is the paper's rule, "
+                        "specache-1bit:split,gqa-max the paper's rule with two changes; without one, SpeCache "
+                        "uses ours (default) and KIVI the paper's")
     g.add_argument("--topk", type=int, default=64, help="SpeCache k: 16-bit pairs fetched per layer and KV head")
     g.add_argument("--budget_bits", type=int, default=1, choices=(1, 2),
                    help="streaming and h2o get the fast-tier bytes of SpeCache with this many bits (default 1)")
@@ -189,6 +210,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="chat: the model's chat format; completion: plain text ending where the answer starts, "
                         "for base models; auto (default): chat when the checkpoint's directory name says "
                         "Instruct, -it or chat, else completion")
+    g.add_argument("--stats", action="store_true",
+                   help="SpeCache's selection diagnostics in the tables and reports: recall of the fetched pairs "
+                        "against the real token's own low-bit and exact top-k, and the share of its exact attention "
+                        "read in 16 bits (extra scoring passes per layer)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     g.add_argument("--compile", action="store_true",
@@ -196,11 +221,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the report files go (default docs/results)")
 
 
+def method_argument(method: str) -> str:
+    try:
+        return check_method(method)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def runner_from_args(args: argparse.Namespace) -> Runner:
     torch.set_grad_enabled(False)
     checkpoint = resolve_checkpoint(args.checkpoint)
     model = load_model(checkpoint, torch.device(args.device), getattr(torch, args.dtype))
-    return Runner(model, get_tokenizer(checkpoint.parent), args.methods, args.topk, args.budget_bits,
+    return Runner(model, get_tokenizer(checkpoint.parent), args.methods, args.topk, args.budget_bits, stats=args.stats,
                   compile=args.compile, chat=wants_chat(args.prompt_format, checkpoint.parent.name))
 
 
@@ -209,6 +241,11 @@ def wants_chat(prompt_format: str, model_name: str) -> bool:
     if prompt_format == "auto":
         return re.search(r"instruct|-it\b|chat", model_name, re.IGNORECASE) is not None
     return prompt_format == "chat"
+
+
+def file_name(method: str) -> str:
+    """A method's name as a file name that Markdown links keep: specache-1bit:split,lloyd -> specache-1bit_split+lloyd."""
+    return method.replace(":", "_").replace(",", "+").replace("=", "")
 
 
 def command_line() -> str:

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from model import CAUSAL_PROMPT, Transformer  # noqa: E402
-from scripts.harness import METHODS, RESULTS_DIR, Runner, runner_from_args, write_report  # noqa: E402
+from scripts.harness import RESULTS_DIR, Runner, method_argument, runner_from_args, write_report  # noqa: E402
 from scripts.haystack import haystack_tokens  # noqa: E402
 
 
@@ -129,7 +129,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("check", choices=["drift", "memory"])
     parser.add_argument("--checkpoint", type=Path, default=None, help="model.pth (default: the embedded SmolLM2)")
-    parser.add_argument("--methods", nargs="+", default=["specache-1bit"], choices=[m for m in METHODS if m != "full"],
+    parser.add_argument("--methods", nargs="+", default=["specache-1bit"], type=method_argument,
                         metavar="METHOD", help="compared with the full cache (default: specache-1bit)")
     parser.add_argument("--prompt_tokens", type=int, default=2048)
     parser.add_argument("--new_tokens", type=int, default=None, help="default: 1000 (drift), 200 (memory)")
@@ -145,7 +145,7 @@ def main() -> None:
     if args.prompt_tokens < 1 or args.window < 1 or args.runs < 1 or too_few_new:
         parser.error("--prompt_tokens, --window and --runs must be positive, --new_tokens at least 2")
     args.methods = ["full"] + args.methods
-    args.budget_bits = 1
+    args.budget_bits, args.stats, args.prompt_format = 1, False, "auto"
     runner = runner_from_args(args)
     prompt = haystack_tokens(runner.tokenizer, args.prompt_tokens)
     if args.check == "drift":

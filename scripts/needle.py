@@ -23,7 +23,7 @@ from rouge_score import rouge_scorer
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.harness import add_arguments, runner_from_args, write_report  # noqa: E402
+from scripts.harness import add_arguments, file_name, runner_from_args, write_report  # noqa: E402
 from scripts.haystack import NEEDLE, answered, needle_prompt  # noqa: E402
 
 DEFAULT_LENGTHS = [1000, 2000, 3000, 4000]
@@ -48,20 +48,38 @@ def sweep(runner, lengths: list[int], depths: list[float], new_tokens: int) -> l
     return rows
 
 
+def mean_stat(rows: list[dict], key: str, diagnostic: bool = False):
+    """The mean of a SpeCache statistic over rows (None where a method does not report it)."""
+    values = [(r["stats"].get("diagnostics") or {}).get(key) if diagnostic else r["stats"].get(key) for r in rows]
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
 def tables(rows: list[dict], methods: list[str], lengths: list[int], depths: list[float]) -> str:
-    """Per method: needles found per length and overall, mean ROUGE-1 recall, fast-tier size."""
+    """Per method: needles found per length and overall, mean ROUGE-1 recall, fast-tier size, and
+    SpeCache's selection statistics (the diagnostics with --stats)."""
+    diagnostics = any("diagnostics" in r["stats"] for r in rows)
+    extra = ["spec. token right", "fetched kB/token"] + (["coverage", "oracle coverage", "recall (own low-bit)",
+                                                          "recall (exact)"] if diagnostics else [])
     lines = ["| method | fast tier (x 16-bit) at the longest | "
-             + " | ".join(f"found @{length}" for length in lengths) + " | found | ROUGE-1 recall |",
-             "|---" * (len(lengths) + 4) + "|"]
+             + " | ".join(f"found @{length}" for length in lengths) + " | found | ROUGE-1 recall | "
+             + " | ".join(extra) + " |",
+             "|---" * (len(lengths) + 4 + len(extra)) + "|"]
+    percent = lambda x: "-" if x is None else f"{100 * x:.0f}%"
     for method in methods:
         mine = [r for r in rows if r["method"] == method]
         longest = next(r for r in mine if r["length"] == max(lengths))["stats"]
         ratio = longest.get("fast_tier_ratio_to_16bit_cache")
         per_length = [sum(r["found"] for r in mine if r["length"] == length) for length in lengths]
         recall = sum(r["rouge1_recall"] for r in mine) / len(mine)
+        fetched = mean_stat(mine, "bytes_fetched_per_token")
+        cells = [percent(mean_stat(mine, "speculative_match_rate")), "-" if fetched is None else f"{fetched / 1e3:.0f}"]
+        if diagnostics:
+            cells += [percent(mean_stat(mine, key, diagnostic=True))
+                      for key in ("coverage", "oracle_coverage", "recall_own_lowbit", "recall_exact")]
         lines.append(f"| {method} | {'1' if ratio is None else f'{ratio:.3f}'} | "
                      + " | ".join(f"{n}/{len(depths)}" for n in per_length)
-                     + f" | {sum(per_length)}/{len(mine)} | {recall:.2f} |")
+                     + f" | {sum(per_length)}/{len(mine)} | {recall:.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -94,6 +112,33 @@ def heatmap(rows: list[dict], method: str, lengths: list[int], depths: list[floa
     plt.close(fig)
 
 
+def coverage_plot(rows: list[dict], methods: list[str], path: Path) -> None:
+    """--stats: per SpeCache layer, the share of the real token's exact attention read in 16 bits
+    (solid) and what the exact top-k would have read (dashed), the mean over every cell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for method in methods:
+        per_layer = [r["stats"]["diagnostics"]["per_layer"] for r in rows
+                     if r["method"] == method and "diagnostics" in r["stats"]]
+        if not per_layer:
+            continue
+        mean = lambda key: [sum(x) / len(x) for x in zip(*(p[key] for p in per_layer))]
+        line, = ax.plot(mean("coverage"), marker="o", markersize=3, label=method)
+        ax.plot(mean("oracle_coverage"), linestyle="--", color=line.get_color(), linewidth=1)
+    ax.set_xlabel("layer (SpeCache layers, in order)")
+    ax.set_ylabel("exact attention mass read in 16 bits")
+    ax.set_title("coverage per layer (dashed: had the exact top-k been fetched)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=None,
@@ -116,11 +161,14 @@ def main() -> None:
                 f"{args.new_tokens} new tokens, k = {args.topk}; streaming and h2o at the fast-tier bytes of "
                 f"SpeCache {args.budget_bits}-bit. Wall-clock {minutes:.1f} min.\n\n"
                 + tables(rows, runner.methods, lengths, depths) + "\n\n"
-                + " ".join(f"![{m}](needle_{m}.png)" for m in runner.methods))
+                + " ".join(f"![{m}](needle_{file_name(m)}.png)" for m in runner.methods)
+                + ("\n\n![coverage by layer](coverage_by_layer.png)" if args.stats else ""))
     print(markdown)
     write_report(args.out, "needle", markdown, dict(lengths=lengths, depths=depths, minutes=minutes, rows=rows))
     for method in runner.methods:
-        heatmap(rows, method, lengths, depths, args.out / f"needle_{method}.png")
+        heatmap(rows, method, lengths, depths, args.out / f"needle_{file_name(method)}.png")
+    if args.stats:
+        coverage_plot(rows, runner.methods, args.out / "coverage_by_layer.png")
 
 
 if __name__ == "__main__":

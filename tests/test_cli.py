@@ -146,6 +146,8 @@ def test_generation_stops_at_max_seq_length_with_a_note(capsys, smollm2_checkpoi
     (["--cache", "streaming", "--budget_tokens", "4"], "sink tokens"),
     (["--cache", "h2o", "--budget_tokens", "1"], "at least 2"),
     (["--specache", "--budget_tokens", "100"], "--budget_tokens applies to"),
+    (["--specache", "--specache_select", "sideways"], "unknown --specache_select entry 'sideways'"),
+    (["--specache", "--specache_select", "split=1.5"], "share of k must be in [0, 1]"),
 ])
 def test_bad_specache_settings(capsys, argv, fragment):
     code, _, err = run_cli(capsys, *argv, "--max_new_tokens", "2")
@@ -216,3 +218,22 @@ def test_ctrl_c_during_decode_prints_what_was_generated(capsys, smollm2_checkpoi
         assert partial["interrupted"] and partial["texts"] == finished["texts"]
     else:
         assert out.strip() == whole.strip()
+
+
+def test_repeated_samples_report_the_same_generation(capsys, smollm2_checkpoint, tmp_path):
+    """--num_samples 3 of a batch of two copies, greedy, k below the context and window flushes on
+    the way: six identical texts and three identical cache summaries (a leak from one generation
+    into the next changed them)."""
+    from scripts.haystack import essays_dir
+
+    essay = sorted(essays_dir().glob("*.txt"))[0].read_text(encoding="utf-8")[:2500]
+    prompt = essay + "\n\nIn one sentence, what is this essay about?"
+    (tmp_path / "prompt.txt").write_text(prompt, encoding="utf-8")
+    code, out, err = run_cli(capsys, "--specache", "--prompt_file", str(tmp_path / "prompt.txt"), "--temperature", "0",
+                             "--num_samples", "3", "--specache_topk", "16", "--specache_group", "32",
+                             "--specache_residual", "32", "--max_new_tokens", "40", "--batch_size", "2")
+    assert code == 0, err
+    summaries = [line for line in err.splitlines() if line.startswith("specache 1-bit")]
+    assert len(summaries) == 3 and len(set(summaries)) == 1, summaries
+    generated = [text.strip() for text in out.split(prompt)[1:]]  # each sequence prints the prompt, then its text
+    assert len(generated) == 6 and len(set(generated)) == 1 and generated[0]

@@ -3,11 +3,12 @@ scripts/gpu_check.sh runs these on a GPU machine."""
 import pytest
 import torch
 
+import offload
 import specache
 from conftest import tiny_model
 from generate import compile_decode, generate
 from kernels.attention import mixed_attention, mixed_attention_reference
-from specache import SpeCacheConfig, setup_specache, specache_generate
+from specache import SpeCacheConfig, compiles_whole, setup_specache, specache_generate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SMALL = dict(group=16, residual=16)
@@ -36,15 +37,18 @@ def test_mixed_attention_on_cuda_matches_the_cpu_reference():
     torch.testing.assert_close(weights.cpu(), ref_weights, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("cache, layout", [("specache", "llama"), ("specache-nospec", "llama"), ("kivi", "llama"),
-                                           ("specache", "hybrid")])
-def test_specache_on_cuda_generates_what_it_generates_on_cpu(cache, layout):
+@pytest.mark.parametrize("cache, layout, select", [
+    ("specache", "llama", "paper"), ("specache", "llama", "default"), ("specache", "llama", "default,correct=0.99"),
+    ("specache-nospec", "llama", "default"), ("kivi", "llama", "paper"), ("specache", "hybrid", "default")])
+def test_specache_on_cuda_generates_what_it_generates_on_cpu(cache, layout, select):
     """Hybrid: sliding-window layers keep their rings on the GPU and fetch nothing, between layers
-    whose fetches run in the background."""
+    whose fetches run in the background. The default selection also waits, inside the layer, for
+    the pairs the real row picks (offload.fetch_now); correct=0.99 discards most prefetches."""
     from test_specache import HYBRID
 
     shape = HYBRID if layout == "hybrid" else {}
     config = SpeCacheConfig(topk=0 if cache == "kivi" else 8, speculative=cache == "specache", **SMALL)
+    config = config.with_select(select)
     prompts = prompts_of(50, 83)
     on_cpu = run(tiny_model(**shape), prompts, config)
     model = tiny_model(**shape).cuda()
@@ -71,16 +75,36 @@ def test_fetching_everything_on_cuda_reproduces_the_full_cache():
     assert run(model, prompts, config, 40).tokens == full.tokens
 
 
-@pytest.mark.parametrize("cache", ["specache", "specache-nospec"])
-def test_compiled_cuda_decode_matches_eager(cache):
-    config = SpeCacheConfig(topk=8, speculative=cache == "specache", **SMALL)
+@pytest.mark.parametrize("cache, select", [("specache", "paper"), ("specache", "default"),
+                                           ("specache-nospec", "default")])
+def test_compiled_cuda_decode_matches_eager(cache, select):
+    config = SpeCacheConfig(topk=8, speculative=cache == "specache", **SMALL).with_select(select)
     model = tiny_model().cuda()
     prompts = prompts_of(50, 71)
     eager = run(model, prompts, config)
     torch._dynamo.reset()
-    compile_decode(model, fullgraph=cache == "specache")  # the synchronous baseline breaks the graph on a GPU
+    # a step that waits for a fetch (the real row's picks) breaks the graph on a GPU
+    compile_decode(model, fullgraph=compiles_whole(config, torch.device("cuda")))
     assert run(model, prompts, config).tokens == eager.tokens
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+@pytest.mark.parametrize("bits", [1, 2])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_repeated_generations_on_cuda_are_identical(speculative, bits, batch):
+    """tests/test_specache.py's test on the GPU: three generations on one setup (k below the
+    context, window flushes), identical tokens and statistics, and the CPU's tokens."""
+    prompts = prompts_of(*[50, 97, 130][:batch])
+    config = SpeCacheConfig(bits=bits, topk=8, speculative=speculative, stats=True, **SMALL)
+    model = tiny_model().cuda()
+    state = setup_specache(model, batch, 130 + 40, config)
+    runs = [specache_generate(model, state, prompts, 40, temperature=0) for _ in range(3)]
+    assert runs[0].tokens == runs[1].tokens == runs[2].tokens
+    assert runs[0].stats == runs[1].stats == runs[2].stats
+    cpu = tiny_model()
+    assert specache_generate(cpu, setup_specache(cpu, batch, 130 + 40, config), prompts, 40,
+                             temperature=0).tokens == runs[0].tokens
 
 
 def test_full_cache_flex_decode_on_cuda_matches_cpu():
@@ -99,7 +123,7 @@ def test_an_error_in_the_fetch_worker_surfaces_within_one_step(monkeypatch):
     def broken(self, ready):
         raise RuntimeError("injected fetch failure")
 
-    monkeypatch.setattr(specache.PairFetcher, "_fetch", broken)
+    monkeypatch.setattr(offload.PairFetcher, "_fetch", broken)
     model, prompts, tokens_seen = tiny_model().cuda(), prompts_of(50), []
     state = setup_specache(model, 1, 80, SpeCacheConfig(topk=8, **SMALL))
     with pytest.raises(RuntimeError, match="injected fetch failure"):

@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_model
 from eviction import EvictionConfig, eviction_generate, setup_eviction
 from generate import generate
-from scripts.harness import METHODS, Runner, specache_config_for, write_report
+from scripts.harness import BASE_METHODS, Runner, check_method, specache_config_for, write_report
 from specache import setup_specache, specache_generate
 
 TOPK = 16
@@ -24,11 +24,12 @@ def test_shared_prefill_gives_each_method_its_own_generation(layout):
     tokenizer = types.SimpleNamespace(stop_ids=[5], decode=lambda ids: " ".join(map(str, ids)))
     prompt = torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(3)).tolist()
     new, capacity = 16, 316
-    runner = Runner(model, tokenizer, list(METHODS), topk=TOPK)
+    methods = list(BASE_METHODS) + ["specache-1bit:paper", "kivi-1bit:lloyd"]
+    runner = Runner(model, tokenizer, methods, topk=TOPK)
     shared = runner.run(prompt, new)
 
     stop = frozenset([5])
-    for method in METHODS:
+    for method in methods:
         if method == "full":
             model.setup_caches(1, capacity)
             alone = generate(model, [prompt], new, stop_ids=stop)
@@ -70,3 +71,17 @@ def test_prompt_format_auto_picks_chat_for_chat_tuned_names_only():
     assert wants_chat("auto", "SmolLM2-135M-Instruct") and wants_chat("auto", "gemma-3-1b-it")
     assert not wants_chat("auto", "gemma-3-270m") and not wants_chat("auto", "Meta-Llama-3-8B")
     assert wants_chat("chat", "gemma-3-270m") and not wants_chat("completion", "SmolLM2-135M-Instruct")
+
+
+def test_method_names_carry_a_selection():
+    paper = specache_config_for("specache-1bit:paper", 64)
+    assert (paper.real_share, paper.gqa, paper.levels, paper.speculative) == (0.0, "mean", "minmax", True)
+    assert specache_config_for("specache-1bit", 64) == specache_config_for("specache-1bit:default", 64)
+    kivi = specache_config_for("kivi-2bit", 64)
+    assert (kivi.topk, kivi.bits, kivi.select_name()) == (0, 2, "paper")
+    nospec = specache_config_for("specache-nospec-1bit:split,sinks=8", 64)
+    assert (nospec.speculative, nospec.real_share, nospec.sinks) == (False, 0.5, 8)
+    for bad, message in [("full:paper", "unknown method"), ("specache-3bit", "unknown method"),
+                         ("specache-1bit:sideways", "unknown --specache_select entry")]:
+        with pytest.raises(ValueError, match=message):
+            check_method(bad)

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from kernels.attention import (LowBitKV, Segments, key_scores, key_scores_reference, mixed_attention,
-                               mixed_attention_reference, value_mix, value_mix_reference)
+from kernels.attention import (LowBitKV, Segments, drop_from_lowbit, key_scores, key_scores_reference, lowbit_part,
+                               mixed_attention, mixed_attention_reference, positions_mask, value_mix,
+                               value_mix_reference)
 from kernels.quant import (dequantize_keys, dequantize_values, pack_bits, quantize_groups, quantize_keys,
                            quantize_values, unpack_bits)
 
@@ -148,3 +149,52 @@ def test_torch_partial_attention_matches_the_reference(bits):
     for got, want in zip(lowbit_partial_attention_torch(rows, kv, visible, excluded, valid),
                          lowbit_partial_attention_reference(rows, kv, visible, excluded, valid)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # fp32 sums in another order
+
+
+def test_lloyd_levels_are_the_means_of_the_two_halves_and_fit_better():
+    x = torch.tensor([[-2.0, -1.0, 0.0, 0.999, 1.0, 3.0, 6.0]])  # midpoint 2: halves {-2..1} and {3, 6}
+    codes, scale, zero = quantize_groups(x, 1, -1, torch.float32, "lloyd")
+    assert zero.item() == pytest.approx(-1.001 / 5) and (scale + zero).item() == pytest.approx(4.5)
+    assert codes.tolist() == [[0, 0, 0, 0, 0, 1, 1]]
+    # bell-shaped data (keys and values are): the squared error drops against the min/max levels
+    data = torch.randn(4096, 64, generator=torch.Generator().manual_seed(0))
+    errors = {}
+    for levels in ("minmax", "lloyd"):
+        codes, scale, zero = quantize_groups(data, 1, 0, torch.float16, levels)
+        errors[levels] = ((codes.float() * scale.float() + zero.float() - data) ** 2).mean()
+    assert errors["lloyd"] < 0.6 * errors["minmax"]
+    # 2-bit copies keep the uniform levels
+    assert all(torch.equal(a, b) for a, b in zip(quantize_groups(data, 2, 0, torch.float16, "lloyd"),
+                                                 quantize_groups(data, 2, 0, torch.float16)))
+
+
+def test_positions_mask_counts_a_position_once_whatever_invalid_slots_repeat():
+    """An invalid slot may repeat a valid slot's position (a stale pick): the valid one decides."""
+    positions = torch.tensor([[[3, 3, 5, 9]]])
+    valid = torch.tensor([[[True, False, False, True]]])
+    for order in ([0, 1, 2, 3], [1, 0, 3, 2]):
+        mask = positions_mask(positions[..., order], valid[..., order], 8)  # 9 is beyond T: ignored
+        assert mask[0, 0].nonzero().flatten().tolist() == [3]
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+def test_dropping_positions_equals_excluding_them_from_the_pass(bits):
+    """drop_from_lowbit (subtract after the pass) == the pass that excludes those positions."""
+    kv, k, v = lowbit_copy(bits, 64)
+    seg = segments(kv, k, v, 2)
+    rows = torch.randn(2, 3, 6, 64) * 0.3
+    g = torch.Generator().manual_seed(3)
+    picked = torch.stack([torch.randperm(100, generator=g)[:12] for _ in range(6)]).view(2, 3, 12)
+    picked_valid = torch.rand(2, 3, 12, generator=g) < 0.8
+    part = drop_from_lowbit(lowbit_part(rows, kv, seg), kv, picked, picked_valid)
+    both = seg._replace(fetched_pos=torch.cat([seg.fetched_pos, picked], -1),
+                        fetched_valid=torch.cat([seg.fetched_valid, picked_valid], -1))
+    expected = lowbit_part(rows, kv, both)
+    torch.testing.assert_close(part.weights * torch.exp(part.row_max).unsqueeze(-1),
+                               expected.weights * torch.exp(expected.row_max).unsqueeze(-1), rtol=1e-5, atol=1e-6)
+    scale = torch.exp(part.row_max - expected.row_max)  # the same pieces, against another row maximum
+    torch.testing.assert_close(part.row_sum * scale, expected.row_sum, rtol=1e-5, atol=1e-6)
+    # the output per unit of the low-bit weight: the subtraction's error is a few ulps of the sum
+    # taken away (here up to half of it), not of what remains
+    torch.testing.assert_close(part.out / part.row_sum.unsqueeze(-1), expected.out / expected.row_sum.unsqueeze(-1),
+                               rtol=0, atol=5e-5)

@@ -4,7 +4,7 @@ import types
 import pytest
 
 from scripts.haystack import NEEDLE
-from scripts.needle import heatmap, rouge1_recall, sweep, tables
+from scripts.needle import coverage_plot, heatmap, rouge1_recall, sweep, tables
 
 
 def test_rouge1_recall_of_the_needle():
@@ -27,7 +27,9 @@ class FakeRunner:
         self.calls += 1
         depth0 = self.calls % 2 == 1  # cells come length-major, depths [0, 100]
         reply = lambda right: NEEDLE.strip() if right else "I do not know."
-        stats = dict(fast_tier_ratio_to_16bit_cache=0.14)
+        stats = dict(fast_tier_ratio_to_16bit_cache=0.14, speculative_match_rate=0.5, bytes_fetched_per_token=2000.0,
+                     diagnostics=dict(coverage=0.8, oracle_coverage=0.9, recall_own_lowbit=0.25, recall_exact=0.5,
+                                      per_layer=dict(coverage=[0.7, 0.9], oracle_coverage=[0.8, 1.0])))
         return {"full": types.SimpleNamespace(text=reply(True), fast_tier_bytes=None, stats={}),
                 "good": types.SimpleNamespace(text=reply(depth0), fast_tier_bytes=10, stats=stats),
                 "bad": types.SimpleNamespace(text=reply(False), fast_tier_bytes=10, stats=stats)}
@@ -42,11 +44,14 @@ def test_sweep_tables_and_heatmaps(tmp_path):
     assert runner.calls == 4 and len(rows) == 12
     assert all(abs(r["prompt_tokens"] - r["length"]) < 120 for r in rows)
     table = tables(rows, runner.methods, [300, 600], [0, 100]).splitlines()
-    assert table[2] == "| full | 1 | 2/2 | 2/2 | 4/4 | 1.00 |"
-    assert table[3] == "| good | 0.140 | 1/2 | 1/2 | 2/4 | 0.52 |"  # 2 cells at 1, 2 at 1/21 ("do")
-    assert table[4] == "| bad | 0.140 | 0/2 | 0/2 | 0/4 | 0.05 |"
+    assert table[2] == "| full | 1 | 2/2 | 2/2 | 4/4 | 1.00 | - | - | - | - | - | - |"
+    # 2 cells at 1, 2 at 1/21 ("do"); then the selection statistics
+    assert table[3] == "| good | 0.140 | 1/2 | 1/2 | 2/4 | 0.52 | 50% | 2 | 80% | 90% | 25% | 50% |"
+    assert table[4] == "| bad | 0.140 | 0/2 | 0/2 | 0/4 | 0.05 | 50% | 2 | 80% | 90% | 25% | 50% |"
     heatmap(rows, "good", [300, 600], [0, 100], tmp_path / "good.png")
     assert (tmp_path / "good.png").read_bytes()[:4] == b"\x89PNG"
+    coverage_plot(rows, runner.methods, tmp_path / "coverage.png")
+    assert (tmp_path / "coverage.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_completion_prompts_end_where_the_answer_starts():

@@ -5,7 +5,9 @@ import torch
 import specache
 from conftest import tiny_model
 from generate import compile_decode, generate
-from kernels.attention import mixed_attention_reference
+import kernels.attention
+from kernels.attention import mixed_attention
+from kernels.lowbit_cpu import lowbit_partial_attention_reference
 from kernels.quant import dequantize_keys, quantize_keys, quantize_values
 from model import KVCache, ModelArgs, Transformer
 from specache import SpeCacheConfig, SpeCacheLayer, select_top_k, setup_specache, specache_generate
@@ -56,27 +58,67 @@ def test_sixteen_bit_pairs_stay_close_to_the_fp32_full_cache():
     assert result.tokens == full.tokens
 
 
-@pytest.mark.parametrize("cache", ["specache", "specache-nospec", "kivi"])
-def test_fast_kernels_generate_what_the_reference_kernels_generate(cache, monkeypatch):
-    """Every variant (k = 0 is KIVI alone) through the fast kernels == through the plain reference."""
+@pytest.mark.parametrize("cache, select", [("specache", "paper"), ("specache", "default"),
+                                           ("specache", "correct=0.99"), ("specache-nospec", "default"),
+                                           ("kivi", "paper")])
+def test_fast_kernels_generate_what_the_reference_kernels_generate(cache, select, monkeypatch):
+    """Every variant (k = 0 is KIVI alone) through the C kernel == through the plain reference of
+    the low-bit pass."""
     config = SpeCacheConfig(topk=0 if cache == "kivi" else 8, speculative=cache == "specache", **SMALL)
+    config = config.with_select(select)
     model = tiny_model()
     prompts = prompts_of(50, 77)
     fast = run_specache(model, prompts, 30, config)
-    monkeypatch.setattr(specache, "mixed_attention", mixed_attention_reference)
+    monkeypatch.setattr(kernels.attention, "lowbit_partial_attention", lowbit_partial_attention_reference)
     assert run_specache(model, prompts, 30, config).tokens == fast.tokens
 
 
-def test_speculative_row_never_changes_the_real_rows_output():
+def random_guesses(seed):
+    g = torch.Generator().manual_seed(seed)
+    return lambda logits, history, lengths: torch.randint(0, VOCAB, (logits.shape[0], 1), generator=g)
+
+
+def test_with_every_position_fetched_the_guesses_cannot_change_the_tokens():
+    """With k at least the context, every quantized position is exact whatever the speculative row
+    chose, so only a leak of the speculative row into the real row could change a token."""
     model = tiny_model()
     prompts = prompts_of(70, 40)
-    config = SpeCacheConfig(topk=256, pair_dtype=torch.float32, **SMALL)
+    config = SpeCacheConfig(topk=256, pair_dtype=torch.float32, **SMALL).with_select("paper")
     paper = run_specache(model, prompts, 30, config)
-    g = torch.Generator().manual_seed(5)
-    random_guesses = run_specache(model, prompts, 30, config,
-                                  guess_next=lambda logits: torch.randint(0, VOCAB, (logits.shape[0], 1), generator=g))
-    assert random_guesses.tokens == paper.tokens
-    assert random_guesses.stats["speculative_match_rate"] < paper.stats["speculative_match_rate"]
+    guessed = run_specache(model, prompts, 30, config, guess_next=random_guesses(5))
+    assert guessed.tokens == paper.tokens
+    assert guessed.stats["speculative_match_rate"] < paper.stats["speculative_match_rate"]
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+@pytest.mark.parametrize("bits", [1, 2])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_repeated_generations_are_identical(speculative, bits, batch):
+    """Three greedy generations on one setup, k below the context and window flushes included:
+    the same tokens and the same statistics (no state leaks from one generation into the next)."""
+    model = tiny_model()
+    prompts = prompts_of(*[50, 97, 130][:batch])
+    config = SpeCacheConfig(bits=bits, topk=8, speculative=speculative, stats=True, **SMALL)
+    state = setup_specache(model, batch, 130 + 40, config)
+    runs = [specache_generate(model, state, prompts, 40, temperature=0) for _ in range(3)]
+    assert runs[0].tokens == runs[1].tokens == runs[2].tokens
+    assert runs[0].stats == runs[1].stats == runs[2].stats
+    # and the same as a fresh setup (what the first generation of a process sees)
+    fresh = run_specache(model, prompts, 40, config, capacity=130 + 40)
+    assert fresh.tokens == runs[0].tokens and fresh.stats == runs[2].stats
+
+
+def test_repeated_generations_in_one_process_match_after_a_different_prompt():
+    """A generation after another prompt's equals the same generation alone: nothing chosen for
+    the previous prompt (fetched positions, speculative queries, counts) survives."""
+    model = tiny_model()
+    config = SpeCacheConfig(topk=8, stats=True, **SMALL).with_select("default,correct=0.95")
+    first, second = prompts_of(120, seed=1), prompts_of(90, seed=2)
+    state = setup_specache(model, 1, 160, config)
+    specache_generate(model, state, first, 30, temperature=0)
+    after = specache_generate(model, state, second, 30, temperature=0)
+    alone = run_specache(model, second, 30, config, capacity=160)
+    assert after.tokens == alone.tokens and after.stats == alone.stats
 
 
 def test_real_row_logits_do_not_depend_on_the_speculative_token_within_a_step():
@@ -120,16 +162,20 @@ def test_window_flushes_leave_every_position_in_exactly_one_place():
             torch.testing.assert_close(cache.slow.v[b, :, :lq], full_v[:, :lq], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(cache.window_k[b, :, :window], full_k[:, lq:], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(cache.window_v[b, :, :window], full_v[:, lq:], atol=1e-5, rtol=1e-5)
-            packed, scale, zero = quantize_keys(cache.slow.k[b, :, :lq], config.bits, g, cache.k_scale.dtype)
+            packed, scale, zero = quantize_keys(cache.slow.k[b, :, :lq], config.bits, g, cache.k_scale.dtype,
+                                                config.levels)
             assert torch.equal(cache.k_packed[b, :, :lq], packed)
             assert torch.equal(cache.k_scale[b, :, : lq // g], scale)
-            packed, scale, zero = quantize_values(cache.slow.v[b, :, :lq], config.bits, g, cache.v_scale.dtype)
+            packed, scale, zero = quantize_values(cache.slow.v[b, :, :lq], config.bits, g, cache.v_scale.dtype,
+                                                  config.levels)
             assert torch.equal(cache.v_packed[b, :, :lq], packed) and torch.equal(cache.v_zero[b, :, :lq], zero)
 
 
-def test_gqa_top_k_averages_the_groups_query_heads():
+@pytest.mark.parametrize("how", ["mean", "max"])
+def test_gqa_top_k_ranks_by_the_groups_query_heads(how):
     """select_top_k on mixed_attention's weights == a per-KV-head reference: softmax per query
-    head over the dequantized copy, the window and the new rows, averaged over the group."""
+    head over the dequantized copy, the window and the new rows, then the mean (the paper) or the
+    max (gqa-max) over the group."""
     torch.manual_seed(0)
     b, n_kv, group_size, t, d, k = 2, 3, 3, 128, 64, 10
     keys, values = torch.randn(b, n_kv, t, d) * torch.linspace(0.2, 3, d), torch.randn(b, n_kv, t, d)
@@ -141,24 +187,31 @@ def test_gqa_top_k_averages_the_groups_query_heads():
                                  window_k, torch.randn(b, n_kv, 48, d), torch.tensor([48, 20]), new_k,
                                  torch.randn(b, n_kv, 2, d))
     q = torch.randn(b, n_kv * group_size, 2, d)
-    _, weights = specache.mixed_attention(q, kv, segments)
-    positions, valid = select_top_k(weights, segments.quantized_len, k)
+    rows = kernels.attention.query_rows(q, n_kv)
+    part = kernels.attention.lowbit_part(rows, kv, segments)
+    merged = kernels.attention.merge_softmax(rows, part, segments, 2)
+    weights = specache.over_query_heads(kernels.attention.row_position_weights(part, merged, segments, 2, 1), how)
+    quantized = torch.arange(t) < segments.quantized_len[:, None, None]
+    positions, valid = select_top_k(weights, quantized, k)
+    if how == "mean":  # the mean is what mixed_attention returns
+        torch.testing.assert_close(weights, mixed_attention(q, kv, segments)[1])
     dequantized = dequantize_keys(kv.k_packed, kv.k_scale, kv.k_zero, 1, 32)
     for bi in range(b):
         lq, wl = int(segments.quantized_len[bi]), int(segments.window_len[bi])
         for h in range(n_kv):
             keys_seen = torch.cat([dequantized[bi, h, :lq], window_k[bi, h, :wl], new_k[bi, h]])
             heads = q[bi, h * group_size: (h + 1) * group_size, -1]
-            probs = ((heads @ keys_seen.T) / d ** 0.5).softmax(-1)[:, :lq].mean(0)
-            expected = set(probs.topk(k).indices.tolist())
-            assert set(positions[bi, h].tolist()) == expected and valid[bi, h].all()
+            probs = ((heads @ keys_seen.T) / d ** 0.5).softmax(-1)[:, :lq]
+            ranked = probs.mean(0) if how == "mean" else probs.amax(0)
+            assert set(positions[bi, h].tolist()) == set(ranked.topk(k).indices.tolist()) and valid[bi, h].all()
 
 
 def test_short_sequences_mark_missing_positions_invalid():
     weights = torch.rand(1, 2, 64)
-    positions, valid = select_top_k(weights, torch.tensor([5]), 8)
+    positions, valid = select_top_k(weights, torch.arange(64) < 5, 8)
     assert valid.sum(-1).tolist() == [[5, 5]]
     assert (positions[valid] < 5).all()
+    assert all(sorted(positions[0, h][valid[0, h]].tolist()) == list(range(5)) for h in range(2))
 
 
 def test_fast_tier_at_4k_holds_only_the_low_bit_copy_the_window_and_k_pairs():
@@ -182,22 +235,28 @@ def test_fast_tier_at_4k_holds_only_the_low_bit_copy_the_window_and_k_pairs():
                  and name not in ("k_scale", "k_zero")}
         assert {name: tuple(t.shape) for name, t in pairs.items()} == {
             "window_k": (1, n_kv, c.residual + c.group, head_dim), "window_v": (1, n_kv, c.residual + c.group, head_dim),
-            "fetched_k": (1, n_kv, c.topk, head_dim), "fetched_v": (1, n_kv, c.topk, head_dim)}
+            "fetched_k": (1, n_kv, c.sinks + c.topk, head_dim), "fetched_v": (1, n_kv, c.sinks + c.topk, head_dim)}
         assert all(t.dtype == torch.float16 for t in pairs.values())
         assert cache.k_packed.dtype == cache.v_packed.dtype == torch.uint8
         assert cache.k_packed.shape == (1, n_kv, s, head_dim * c.bits // 8)
         slow = {id(cache.slow.k), id(cache.slow.v)}
         assert not slow & {id(t) for t in cache.buffers()}, "the slow tier must not be a fast-tier buffer"
         assert cache.slow.k.shape == (1, n_kv, s, head_dim) and cache.slow.k.dtype == torch.float16
+    # counted from the layout, per layer and KV head: codes, fp16 scales and zeros, 16-bit pairs,
+    # and each exact slot's position (8 bytes) and flag (1), the prefetch's chosen positions too
+    codes = 2 * s * head_dim * c.bits // 8
+    scales = 2 * 2 * (s // c.group * head_dim + s * head_dim // min(c.group, head_dim))
+    pairs = 2 * 2 * head_dim * (c.residual + c.group + c.sinks + c.topk)
+    k_spec = c.topk - int(c.topk * c.real_share + 0.5)
+    bookkeeping = 9 * (c.sinks + c.topk) + 9 * k_spec
+    counted = config.n_layer * n_kv * (codes + scales + pairs + bookkeeping)
     measured = sum(layer.attention.kv_cache.fast_tier_bytes() for layer in model.layers)
+    assert measured == counted
     sixteen_bit_cache = 2 * 2 * config.n_layer * n_kv * head_dim * s
-    formula = (c.bits + 32 / c.group) / 16 + (c.residual + c.group + c.topk) / s
-    assert abs(measured / sixteen_bit_cache / formula - 1) < 0.03
-    assert abs(state_ratio(model, state) - measured / sixteen_bit_cache) < 1e-9
-
-
-def state_ratio(model, state):
-    return specache.cache_stats(model, state, None)["fast_tier_ratio_to_16bit_cache"]
+    formula = (c.bits + 32 / c.group) / 16 + (c.residual + c.group + c.sinks + c.topk) / s
+    assert abs(counted / sixteen_bit_cache / formula - 1) < 0.03
+    stats = specache.cache_stats(model, state, None, 1)
+    assert stats["fast_tier_ratio_to_16bit_cache"] == pytest.approx(counted / sixteen_bit_cache)
 
 
 def test_batch_of_three_prompts_equals_each_alone():
@@ -277,3 +336,49 @@ def test_models_with_only_sliding_window_layers_are_refused():
     model = tiny_model(sliding_window=16)
     with pytest.raises(ValueError, match="nothing to offload"):
         setup_specache(model, 1, 64, SpeCacheConfig(**SMALL))
+
+
+def slow_prompt_lookup(history, logits, max_ngram=3):
+    """prompt_lookup_guess for one sequence, in plain Python."""
+    for n in range(max_ngram, 0, -1):
+        if len(history) <= n:
+            continue
+        tail = history[-n:]
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start: start + n] == tail:
+                return history[start + n]
+    return int(logits.argmax())
+
+
+def test_prompt_lookup_guesses_the_token_after_the_latest_earlier_match():
+    g = torch.Generator().manual_seed(0)
+    histories = [torch.randint(0, 6, (n,), generator=g).tolist() for n in (1, 2, 9, 40, 41)]
+    histories += [[1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], [4, 4, 4, 4], [8, 1, 2, 8]]
+    width = max(map(len, histories)) + 3
+    history = torch.full((len(histories), width), 99)  # past each sequence's end: never a match
+    for b, h in enumerate(histories):
+        history[b, : len(h)] = torch.tensor(h)
+    logits = torch.randn(len(histories), 12, generator=g)
+    guess = specache.prompt_lookup_guess(logits, history, torch.tensor([len(h) for h in histories]))
+    assert guess[:, 0].tolist() == [slow_prompt_lookup(h, logits[b]) for b, h in enumerate(histories)]
+    assert guess[5, 0] == 7 and guess[6, 0] == 4 and guess[7, 0] == 1  # the latest trigram, a run, a unigram
+
+
+@pytest.mark.parametrize("select, fields", [
+    ("paper", specache.PAPER),
+    ("split,gqa-max", dict(specache.PAPER, real_share=0.5, gqa="max")),
+    ("split=0.25, sinks=8, correct=0.8", dict(specache.PAPER, real_share=0.25, sinks=8, correct_below=0.8)),
+    ("default,correct", dict(specache.parse_select("default"), correct_below=0.9)),
+])
+def test_selections_parse_into_config_fields_and_name_themselves(select, fields):
+    config = SpeCacheConfig().with_select(select)
+    assert {name: getattr(config, name) for name in specache.PAPER} == fields
+    assert SpeCacheConfig().with_select(config.select_name()) == config
+
+
+@pytest.mark.parametrize("select, message", [("splt", "unknown --specache_select entry 'splt'"),
+                                             ("gqa-max=2", "takes no value"), ("sinks=x", "not a valid int"),
+                                             ("split=2", "share of k must be in")])
+def test_bad_selections_are_refused(select, message):
+    with pytest.raises(ValueError, match=message):
+        SpeCacheConfig().with_select(select).validate(64)
