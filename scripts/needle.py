@@ -148,8 +148,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"lengths {QUICK_LENGTHS} x depths {QUICK_DEPTHS} (a third of the default grid)")
     parser.add_argument("--new_tokens", type=int, default=32, help="reply length cap (the answer takes ~25)")
+    parser.add_argument("--plot_coverage", action="store_true",
+                        help="with --stats: plot each SpeCache method's coverage per layer (coverage_by_layer.png)")
     add_arguments(parser)
     args = parser.parse_args()
+    if args.plot_coverage and not args.stats:
+        parser.error("--plot_coverage needs --stats (the coverage is one of the diagnostics)")
     lengths = args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
     depths = args.depths or (QUICK_DEPTHS if args.quick else DEFAULT_DEPTHS)
 
@@ -162,12 +166,12 @@ def main() -> None:
                 f"SpeCache {args.budget_bits}-bit. Wall-clock {minutes:.1f} min.\n\n"
                 + tables(rows, runner.methods, lengths, depths) + "\n\n"
                 + " ".join(f"![{m}](needle_{file_name(m)}.png)" for m in runner.methods)
-                + ("\n\n![coverage by layer](coverage_by_layer.png)" if args.stats else ""))
+                + ("\n\n![coverage by layer](coverage_by_layer.png)" if args.plot_coverage else ""))
     print(markdown)
     write_report(args.out, "needle", markdown, dict(lengths=lengths, depths=depths, minutes=minutes, rows=rows))
     for method in runner.methods:
         heatmap(rows, method, lengths, depths, args.out / f"needle_{file_name(method)}.png")
-    if args.stats:
+    if args.plot_coverage:
         coverage_plot(rows, runner.methods, args.out / "coverage_by_layer.png")
 
 
