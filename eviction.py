@@ -9,7 +9,7 @@ drop the rest for good, which is what SpeCache avoids by keeping every pair in t
   far, and the newest tokens.
 
 Choices (ours, where the papers leave room or where our setting differs):
-- Equal budget: the same fast-tier bytes as SpeCache at the same capacity. `equal_budget_tokens`
+- Equal budget: the same fast-tier bytes as SpeCache at the same capacity. `caches.equal_budget_tokens`
   divides SpeCache's fast-tier bytes per layer and sequence (low-bit copy, scales, window, fetched
   pairs, their positions) by what one kept token costs over all KV heads: its 16-bit K and V, its
   position and its score. Pairs are 16-bit as SpeCache's are (fp16 when the model runs in fp32).
@@ -33,6 +33,7 @@ from torch import Tensor
 
 from kernels.quant import sixteen_bit_dtype
 from model import CAUSAL_PROMPT, CausalPrompt, RingKVCache, Transformer, attention
+from specache_stats import sixteen_bit_cache_bytes
 
 POLICIES = ("streaming", "h2o")
 
@@ -177,68 +178,64 @@ class EvictionLayer(nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos, self.score))
 
 
-def setup_eviction(model: Transformer, batch_size: int, max_seq_length: int, config: EvictionConfig) -> EvictionState:
-    """Replace every full-attention layer's cache with an eviction cache of `config.budget`
-    tokens; sliding-window layers get a ring of their window."""
-    config.validate()
-    c = model.config
-    device, model_dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
-    dtype = config.pair_dtype or sixteen_bit_dtype(model_dtype)
-    state = EvictionState(config, batch_size)
-    for layer in model.layers:
-        window = layer.attention.window
-        layer.attention.kv_cache = (EvictionLayer(state, c.n_local_heads, c.head_dim, dtype, device) if window is None
-                                    else RingKVCache(batch_size, window, c.n_local_heads, c.head_dim, dtype, device))
-    model.setup_rope(max_seq_length)
-    model.max_batch_size, model.max_seq_length = batch_size, max_seq_length
-    return state
+class EvictionCache:
+    """An eviction cache in every full-attention layer of `model` (a ring in each sliding-window
+    layer), for `batch_size` sequences of up to `max_seq_length` positions, driven by
+    generate.generate (see caches.py for the protocol). Decode steps take one row."""
 
+    graph_breaks = False
 
-def equal_budget_tokens(model: Transformer, capacity: int, specache_config: "SpeCacheConfig") -> int:
-    """The token budget whose 16-bit pairs take SpeCache's fast-tier bytes at this capacity."""
-    from specache import SpeCacheLayer, SpeCacheState
+    def __init__(self, model: Transformer, batch_size: int, max_seq_length: int, config: EvictionConfig):
+        config.validate()
+        c = model.config
+        device, model_dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
+        dtype = config.pair_dtype or sixteen_bit_dtype(model_dtype)
+        self.model, self.state = model, EvictionState(config, batch_size)
+        for layer in model.layers:
+            window = layer.attention.window
+            layer.attention.kv_cache = (
+                EvictionLayer(self.state, c.n_local_heads, c.head_dim, dtype, device) if window is None
+                else RingKVCache(batch_size, window, c.n_local_heads, c.head_dim, dtype, device))
+        model.setup_rope(max_seq_length)
+        model.max_batch_size, model.max_seq_length = batch_size, max_seq_length
+        self.layers = [layer.attention.kv_cache for layer in model.layers
+                       if isinstance(layer.attention.kv_cache, EvictionLayer)]
+        self.rings = [layer.attention.kv_cache for layer in model.layers
+                      if isinstance(layer.attention.kv_cache, RingKVCache)]
 
-    c = model.config
-    dtype = specache_config.pair_dtype_for(model.tok_embeddings.weight.dtype)
-    capacity = -(-capacity // specache_config.group) * specache_config.group
-    meta = torch.device("meta")  # sizes only: nothing is allocated
-    layer = SpeCacheLayer(SpeCacheState(specache_config, 1, capacity, meta), c.n_head, c.n_local_heads, c.head_dim,
-                          dtype, meta, executor=None)
-    one_slot = EvictionLayer(EvictionState(EvictionConfig("h2o", budget=1), 1), c.n_local_heads, c.head_dim, dtype, meta)
-    return layer.fast_tier_bytes() // one_slot.fast_tier_bytes()
+    def begin(self, tokens: Tensor, lengths: Tensor) -> None:
+        self.state.begin(lengths.tolist())
 
+    def ingest(self, recorded: list[tuple[Tensor, Tensor, Optional[list[Tensor]]]]) -> None:
+        """Each layer's prompt K, V, and for H2O the attention each key received (per sequence)."""
+        for layer, (k, v, mass) in zip(self.model.layers, recorded):
+            cache = layer.attention.kv_cache
+            if isinstance(cache, EvictionLayer):
+                cache.ingest_prompt(k, v, mass)
+            else:
+                cache.ingest_prompt(k, v)
 
-def eviction_layers(model: Transformer) -> list[EvictionLayer]:
-    """The evicting layers (the full-attention ones)."""
-    return [layer.attention.kv_cache for layer in model.layers if isinstance(layer.attention.kv_cache, EvictionLayer)]
+    def bootstrap(self, model: Transformer, first: Tensor, pos: Tensor) -> None:
+        pass
 
+    def step(self, model: Transformer, token: Tensor, pos: Tensor) -> Tensor:
+        return model(token, pos)
 
-def ring_bytes(model: Transformer) -> int:
-    """Bytes of the sliding-window layers' rings (all sequences)."""
-    return sum(layer.attention.kv_cache.fast_tier_bytes() for layer in model.layers
-               if isinstance(layer.attention.kv_cache, RingKVCache))
+    def sampled(self, token: Tensor) -> None:
+        pass
 
+    def finish(self) -> None:
+        pass
 
-def cache_stats(model: Transformer, state: EvictionState) -> dict:
-    from specache import sixteen_bit_cache_bytes
+    def step_bytes(self, positions: list[int]) -> int:
+        """The kept pairs of every sequence, and the rings."""
+        kept = sum(cache.k[0].nbytes + cache.v[0].nbytes for cache in self.layers)
+        return len(positions) * kept + sum(ring.fast_tier_bytes() for ring in self.rings)
 
-    fast = sum(cache.fast_tier_bytes() for cache in eviction_layers(model)) + ring_bytes(model)
-    batch, capacity = len(state.prompt_lengths), model.max_seq_length
-    full_16bit = sixteen_bit_cache_bytes(model, capacity, batch)
-    return {"cache": state.config.policy, "budget_tokens": state.config.budget, "capacity_tokens": capacity,
-            "fast_tier_bytes": fast, "fast_tier_ratio_to_16bit_cache": fast / full_16bit}
-
-
-def eviction_generate(model: Transformer, state: EvictionState, prompts: list[list[int]], max_new_tokens: int,
-                      first_token: Optional[Tensor] = None, **kwargs) -> "GenerationResult":
-    """generate.generate with an eviction cache. With `first_token`, the caches already hold the
-    prompts (ingested from a shared prefill) and decoding starts from it."""
-    from generate import generate, weight_bytes
-
-    if first_token is None:
-        state.begin([len(p) for p in prompts])
-    result = generate(model, prompts, max_new_tokens, first_token=first_token, **kwargs)
-    kept = sum(cache.k[0].nbytes + cache.v[0].nbytes for cache in eviction_layers(model))
-    result.decode_bytes = result.decode_steps * (weight_bytes(model) + len(prompts) * kept + ring_bytes(model))
-    result.stats = cache_stats(model, state)
-    return result
+    def stats(self, steps: int) -> dict:
+        fast = sum(cache.fast_tier_bytes() for cache in self.layers + self.rings)
+        batch, capacity = len(self.state.prompt_lengths), self.model.max_seq_length
+        full_16bit = sixteen_bit_cache_bytes(self.model, capacity, batch)
+        return {"cache": self.state.config.policy, "budget_tokens": self.state.config.budget,
+                "capacity_tokens": capacity, "fast_tier_bytes": fast,
+                "fast_tier_ratio_to_16bit_cache": fast / full_16bit}

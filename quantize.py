@@ -1,8 +1,8 @@
 """Weight-only quantization of a checkpoint: int8 per channel, or int4 per group (gpt-fast's quantize.py).
 
-    python quantize.py --mode int8                                 # the default model -> model_int8.pth beside it
-    python quantize.py --checkpoint checkpoints/<org>/<model>/model.pth --mode int4 --groupsize 32
-                                                                   # -> model_int4.g32.pth
+    python scripts/quantize_checkpoint.py --mode int8        # the default model -> model_int8.pth beside it
+    python scripts/quantize_checkpoint.py --checkpoint checkpoints/<org>/<model>/model.pth --mode int4 --groupsize 32
+                                                             # -> model_int4.g32.pth
     python generate.py --checkpoint checkpoints/<org>/<model>/model_int4.g32.pth --specache --prompt "..."
 
 Every Linear of the transformer blocks and the output head is quantized; the token embedding stays
@@ -22,10 +22,7 @@ half-byte codes (measured against torch's `_weight_int8pack_mm` and `_weight_int
 scripts/bench_quant.py); eager code dequantizes the weight, then multiplies. `dequantize_int8` and
 `dequantize_int4` are the plain references the tests hold the modules to.
 """
-import argparse
-import os
 import re
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -246,38 +243,3 @@ def parse_quantized_name(path: Path) -> Optional[tuple[str, Optional[int]]]:
 
 def output_name(mode: str, groupsize: Optional[int]) -> str:
     return "model_int8.pth" if mode == "int8" else f"model_int4.g{groupsize}.pth"
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    from generate import UserError, load_model, resolve_checkpoint
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", type=Path, default=None,
-                        help="the float model.pth (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--mode", choices=["int8", "int4"], default="int8")
-    parser.add_argument("--groupsize", type=int, default=32, choices=[32, 64, 128, 256],
-                        help="int4: input channels per scale and zero (default 32)")
-    args = parser.parse_args(argv)
-    try:
-        checkpoint = resolve_checkpoint(args.checkpoint)
-        if parse_quantized_name(checkpoint):
-            raise UserError(f"{checkpoint} is quantized already; give the float model.pth")
-        model = load_model(checkpoint, torch.device("cpu"), torch.float32)
-        state_dict = quantized_state_dict(model, args.mode, args.groupsize if args.mode == "int4" else None)
-    except (UserError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    target = checkpoint.with_name(output_name(args.mode, args.groupsize))
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:  # never a half-written file under the final name
-        torch.save(state_dict, tmp)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    size = lambda p: p.stat().st_size / 1e6
-    print(f"wrote {target} ({size(target):.1f} MB; {checkpoint.name}: {size(checkpoint):.1f} MB)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

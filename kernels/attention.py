@@ -24,19 +24,7 @@ import torch
 from torch import Tensor
 
 from kernels import lowbit_cpu, lowbit_triton
-from kernels.quant import dequantize_keys, dequantize_values, unpack_bits
-
-
-class LowBitKV(NamedTuple):
-    """One layer's low-bit copy (see kernels.quant): packed codes and per-group scales and zeros."""
-    k_packed: Tensor  # (B, Hkv, T, D*bits/8) uint8
-    k_scale: Tensor  # (B, Hkv, T/group, D)
-    k_zero: Tensor
-    v_packed: Tensor  # (B, Hkv, T, D*bits/8) uint8
-    v_scale: Tensor  # (B, Hkv, T, D/group_v)
-    v_zero: Tensor
-    bits: int
-    group: int
+from kernels.quant import LowBitKV, dequantize_keys, dequantize_values, unpack_bits
 
 
 class Segments(NamedTuple):
@@ -157,7 +145,12 @@ class LowBitPart(NamedTuple):
 
 
 def lowbit_part(rows: Tensor, kv: LowBitKV, seg: Segments) -> LowBitPart:
-    """The low-bit segment of `seg`: positions [0, Lq) less the valid fetched ones."""
+    """The low-bit segment of `seg`: positions [0, Lq) less the valid fetched ones. A copy of no
+    positions (a capacity too short to quantize anything) contributes nothing."""
+    if kv.k_packed.shape[2] == 0:
+        b, h, m, d = rows.shape
+        return LowBitPart(rows.new_zeros(b, h, m, 0), rows.new_full((b, h, m), float("-inf")), rows.new_zeros(b, h, m),
+                          rows.new_zeros(b, h, m, d))
     return LowBitPart(*lowbit_partial_attention(rows, kv, seg.quantized_len, seg.fetched_pos, seg.fetched_valid))
 
 
@@ -230,11 +223,27 @@ def row_position_weights(part: LowBitPart, merged: Merged, seg: Segments, s: int
     b, n_kv, m, t = part.weights.shape
     g = m // s
     pick = lambda x: x.view(b, n_kv, g, s, x.shape[-1])[:, :, :, row]  # (B, Hkv, G, N): that row's
-    p_fetched, p_window = pick(merged.p_fetched), pick(merged.p_window)
     window_pos = (seg.quantized_len[:, None] + torch.arange(seg.window_k.shape[2], device=part.weights.device))
+    # positions beyond the copy (never quantized) have no place in the ranking
+    p_fetched, p_window = pick(merged.p_fetched), pick(merged.p_window) * (window_pos < t)[:, None, None, :]
     weights = pick(part.weights) * pick(merged.lowbit_scale)
+    if t == 0:
+        return weights
     return (weights.scatter_add(-1, seg.fetched_pos.clamp(0, t - 1).unsqueeze(2).expand_as(p_fetched), p_fetched)
             .scatter_add(-1, window_pos.clamp(max=t - 1)[:, None, None, :].expand_as(p_window), p_window))
+
+
+def over_query_heads(weights: Tensor, how: str) -> Tensor:
+    """A KV head's ranking of positions from its query heads' weights (B, Hkv, G, T, as
+    `row_position_weights` gives them): their mean or their max."""
+    return weights.amax(2) if how == "max" else weights.mean(2)
+
+
+def select_top_k(scores: Tensor, candidates: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k candidate positions (candidates: (B, Hkv, T) bool) with the highest scores (B, Hkv, T,
+    non-negative), best first, and which of them are real (a short sequence has fewer than k)."""
+    top = scores.masked_fill(~candidates, -1.0).topk(k, dim=-1)
+    return top.indices, top.values >= 0
 
 
 def mixed_attention(q: Tensor, kv: LowBitKV, seg: Segments) -> tuple[Tensor, Tensor]:

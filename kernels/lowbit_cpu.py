@@ -46,15 +46,11 @@ import tempfile
 import warnings
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from kernels.quant import SCALE_DTYPES, dequantize_keys, dequantize_values, value_group
-
-if TYPE_CHECKING:  # kernels.attention may import this module
-    from kernels.attention import LowBitKV
+from kernels.quant import SCALE_DTYPES, LowBitKV, dequantize_keys, dequantize_values, value_group
 
 SOURCE = Path(__file__).with_name("lowbit_cpu.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -66,7 +62,7 @@ Outputs = tuple[Tensor, Tensor, Tensor, Tensor]
 # The reference
 # ---------------------------------------------------------------------------------------------
 
-def _check(rows: Tensor, kv: "LowBitKV", visible_len: Tensor, excluded_pos: Tensor, excluded_valid: Tensor) -> None:
+def _check(rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor, excluded_valid: Tensor) -> None:
     """Raise ValueError unless the inputs have the layout described in the module docstring."""
     def fail(message: str):
         raise ValueError(f"lowbit_partial_attention: {message}")
@@ -105,7 +101,7 @@ def _check(rows: Tensor, kv: "LowBitKV", visible_len: Tensor, excluded_pos: Tens
         fail("all tensors must be on one device")
 
 
-def lowbit_partial_attention_reference(rows: Tensor, kv: "LowBitKV", visible_len: Tensor, excluded_pos: Tensor,
+def lowbit_partial_attention_reference(rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor,
                                        excluded_valid: Tensor) -> Outputs:
     """The module docstring's definition, in plain PyTorch: dequantize, score, mask, exponentiate."""
     _check(rows, kv, visible_len, excluded_pos, excluded_valid)
@@ -187,7 +183,7 @@ def available() -> bool:
     return os.environ.get("SPECACHE_NO_CPU_KERNEL") != "1" and _library() is not None
 
 
-def run_kernel(lib: ctypes.CDLL, rows: Tensor, kv: "LowBitKV", visible_len: Tensor, excluded_pos: Tensor,
+def run_kernel(lib: ctypes.CDLL, rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor,
                excluded_valid: Tensor) -> Outputs:
     """Call the C kernel of `lib` (a `load`ed build) on CPU tensors."""
     _check(rows, kv, visible_len, excluded_pos, excluded_valid)
@@ -213,8 +209,6 @@ def run_kernel(lib: ctypes.CDLL, rows: Tensor, kv: "LowBitKV", visible_len: Tens
 def _op(rows: Tensor, k_packed: Tensor, k_scale: Tensor, k_zero: Tensor, v_packed: Tensor, v_scale: Tensor,
         v_zero: Tensor, bits: int, group: int, visible_len: Tensor, excluded_pos: Tensor,
         excluded_valid: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    from kernels.attention import LowBitKV
-
     kv = LowBitKV(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group)
     lib = _library()
     if lib is None or rows.device.type != "cpu":  # called directly, where the kernel cannot run
@@ -225,8 +219,6 @@ def _op(rows: Tensor, k_packed: Tensor, k_scale: Tensor, k_zero: Tensor, v_packe
 @_op.register_fake
 def _(rows, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group, visible_len, excluded_pos,
       excluded_valid):
-    from kernels.attention import LowBitKV
-
     _check(rows, LowBitKV(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group), visible_len,
            excluded_pos, excluded_valid)
     b, h, m, d = rows.shape
@@ -234,7 +226,7 @@ def _(rows, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group, v
     return rows.new_empty(b, h, m, t), rows.new_empty(b, h, m), rows.new_empty(b, h, m), rows.new_empty(b, h, m, d)
 
 
-def lowbit_partial_attention(rows: Tensor, kv: "LowBitKV", visible_len: Tensor, excluded_pos: Tensor,
+def lowbit_partial_attention(rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor,
                              excluded_valid: Tensor) -> Outputs:
     """(weights (B,Hkv,M,T), row_max (B,Hkv,M), row_sum (B,Hkv,M), out (B,Hkv,M,D)), all float32, as in the
     module docstring: the C kernel for CPU tensors when it is available, else the reference."""

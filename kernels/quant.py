@@ -19,6 +19,8 @@ that dequantization will actually use. Both keys and values are packed along cha
 token t's codes fill `head_dim * bits / 8` bytes (head_dim * bits must be a multiple of 8), element
 i at bits [i*bits % 8, ...) of byte i*bits // 8 (low bits first). `pack_bits` itself pads any length.
 """
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -117,3 +119,15 @@ def dequantize_values(packed: Tensor, scale: Tensor, zero: Tensor, bits: int, gr
     gv = head_dim // n_groups
     codes = codes.view(*codes.shape[:-1], n_groups, gv)
     return (codes * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)).flatten(-2)
+
+
+class LowBitKV(NamedTuple):
+    """One layer's low-bit copy in the layout above: packed codes and per-group scales and zeros."""
+    k_packed: Tensor  # (B, Hkv, T, D*bits/8) uint8
+    k_scale: Tensor  # (B, Hkv, T/group, D)
+    k_zero: Tensor
+    v_packed: Tensor  # (B, Hkv, T, D*bits/8) uint8
+    v_scale: Tensor  # (B, Hkv, T, D/group_v)
+    v_zero: Tensor
+    bits: int
+    group: int

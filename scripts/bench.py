@@ -28,7 +28,7 @@ step, so that row is left out there). HF transformers' `generate` with its Dynam
 optimum-quanto is installed, its QuantizedCache (quanto, 2 bits) run batch 1, same prompt and dtype
 (embedded model only).
 
-`--random_weights NAME` times a model of that shape (a name in model.py's transformer_configs, such
+`--random_weights NAME` times a model of that shape (a name in config.py's transformer_configs, such
 as Meta-Llama-3-8B) with random weights, where no checkpoint can travel (the GPU check): speed
 only, the tokens mean nothing. `--max_batch` also finds, per method and length, the largest batch
 that fits in memory (doubling, then bisecting, up to --max_batch_cap; on a GPU SpeCache's slow tier
@@ -49,9 +49,12 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from generate import full_cache_step_bytes, load_model, weight_bytes  # noqa: E402
-from model import ModelArgs, Transformer, transformer_configs  # noqa: E402
-from scripts.convert_gguf import find_default_gguf, prepare_default_checkpoint  # noqa: E402
+from checkpoint import load_model  # noqa: E402
+from caches import full_cache_step_bytes  # noqa: E402
+from generate import weight_bytes  # noqa: E402
+from config import ModelArgs, transformer_configs  # noqa: E402
+from model import Transformer  # noqa: E402
+from checkpoint import find_default_gguf, prepare_default_checkpoint  # noqa: E402
 from scripts.harness import RESULTS_DIR, Runner, method_argument, write_report  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 

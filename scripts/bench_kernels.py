@@ -24,7 +24,8 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernels.attention import LowBitKV, Segments, mixed_attention, mixed_attention_reference  # noqa: E402
+from kernels.attention import Segments, mixed_attention, mixed_attention_reference  # noqa: E402
+from kernels.quant import LowBitKV  # noqa: E402
 from kernels.quant import dequantize_keys, dequantize_values, quantize_keys, quantize_values  # noqa: E402
 
 N_HEADS, N_KV, HEAD_DIM, ROWS, TOPK, WINDOW, BITS, GROUP = 9, 3, 64, 2, 64, 128, 1, 64

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernels.attention import LowBitKV, lowbit_partial_attention_torch  # noqa: E402
+from kernels.attention import lowbit_partial_attention_torch  # noqa: E402
+from kernels.quant import LowBitKV  # noqa: E402
 from kernels.lowbit_cpu import lowbit_partial_attention, lowbit_partial_attention_reference  # noqa: E402
 from kernels.quant import quantize_keys, quantize_values  # noqa: E402
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.convert_hf_checkpoint import convert_hf_checkpoint  # noqa: E402
+from convert import convert_hf_checkpoint  # noqa: E402
 
 # Weights, configs and tokenizers; not the duplicate .bin/.pth copies some repositories also carry.
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "original/tokenizer.model", "*.txt"]

@@ -5,13 +5,13 @@ Prefill is full precision and the same for every method: each layer attends over
 and only then does a cache decide what to keep (SpeCache and KIVI quantize, StreamingLLM and H2O
 evict). So `Runner.run` prefills a prompt once, recording each layer's K and V (and, when H2O is
 among the methods, the attention each key received), then hands them to each method's cache
-through its `ingest_prompt` and decodes from the shared first token. A cell of a sweep costs one
+through its `ingest` and decodes from the shared first token. A cell of a sweep costs one
 prefill plus a short decode per method. Generation is greedy; batch size 1.
 
-Methods: full (the 16-bit cache); specache-{1,2}bit; specache-nospec-{1,2}bit (the paper's
-non-speculative baseline); kivi-{1,2}bit (the low-bit copy and window, nothing fetched);
-streaming and h2o (eviction at the fast-tier budget of SpeCache with --budget_bits bits, see
-eviction.py).
+Methods (caches.py names them): full (the 16-bit cache); specache-{1,2}bit; specache-nospec-{1,2}bit
+(the paper's non-speculative baseline); kivi-{1,2}bit (the low-bit copy and window, nothing
+fetched); each of these with a selection after a colon (specache-1bit:paper); streaming and h2o
+(eviction at the fast-tier budget of SpeCache with --budget_bits bits, see eviction.py).
 
 With --compile, decode steps run compiled (the full cache with FlexAttention, as generate.py does);
 each method and cache capacity is a graph of its own, so capacities are rounded up to a multiple of
@@ -23,7 +23,7 @@ import re
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
@@ -32,15 +32,14 @@ import torch.nn as nn
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from eviction import EvictionConfig, EvictionLayer, equal_budget_tokens, eviction_generate, prompt_attention_mass, \
-    setup_eviction  # noqa: E402
-from generate import GenerationResult, compile_decode, generate, load_model, prefill, resolve_checkpoint  # noqa: E402
+from caches import LOW_BIT_KINDS, equal_budget_tokens, make_cache, parse_method, specache_config  # noqa: E402
+from checkpoint import load_model, resolve_checkpoint  # noqa: E402
+from eviction import prompt_attention_mass  # noqa: E402
+from generate import GenerationResult, compile_decode, generate, prefill  # noqa: E402
 from model import Transformer, flex_attention_available, prompt_attention  # noqa: E402
-from specache import SpeCacheConfig, compiles_whole, parse_select, setup_specache, specache_generate  # noqa: E402
+from specache import SpeCacheConfig  # noqa: E402
 from tokenizer import Tokenizer, get_tokenizer  # noqa: E402
 
-BASE_METHODS = ("full", "specache-1bit", "specache-2bit", "specache-nospec-1bit", "specache-nospec-2bit", "kivi-1bit",
-                "kivi-2bit", "streaming", "h2o")
 DEFAULT_METHODS = ("full", "specache-1bit", "specache-2bit", "kivi-1bit", "kivi-2bit", "streaming", "h2o")
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "docs" / "results"
 
@@ -76,48 +75,25 @@ class Prefilled(NamedTuple):
     seconds: float
 
 
-def specache_config_for(method: str, topk: int) -> SpeCacheConfig:
-    """The SpeCache or KIVI configuration a method names: `<cache>-<bits>bit[:<selection>]`, where
-    the selection is --specache_select's (default: ours for SpeCache, the paper's for KIVI)."""
-    base, _, select = method.partition(":")
-    name, bits = base.rsplit("-", 1)
-    config = SpeCacheConfig(bits=int(bits.removesuffix("bit")), topk=0 if name == "kivi" else topk,
-                            speculative=name == "specache")
-    return config.with_select(select or ("paper" if name == "kivi" else "default"))
-
-
-def check_method(method: str) -> str:
-    """`method` if it names a method (for argparse), else ValueError."""
-    base, _, select = method.partition(":")
-    if base not in BASE_METHODS or (select and base in ("full", "streaming", "h2o")):
-        raise ValueError(f"unknown method {method!r}: use one of {', '.join(BASE_METHODS)}, the SpeCache and KIVI "
-                         "ones optionally with :<selection> (see --specache_select)")
-    parse_select(select)
-    return method
-
-
 class Runner:
     """Greedy generation of one prompt with every method, sharing the prefill."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, methods: list[str], topk: int = 64,
                  budget_bits: int = 1, sink_tokens: int = 4, compile: bool = False, round_capacity: bool = True,
                  chat: bool = True, stats: bool = False):
-        for method in methods:
-            check_method(method)
         self.model, self.tokenizer, self.methods = model, tokenizer, list(methods)
+        self.kinds = {method: parse_method(method) for method in methods}  # (kind, bits, selection)
         self.chat = chat  # the scripts' prompts: the chat format, or completion prompts for a base model
         self.topk, self.budget_bits, self.sink_tokens = topk, budget_bits, sink_tokens
         self.stats = stats  # SpeCache's diagnostics (recall, coverage), at the cost of extra passes
         self.stop_ids = frozenset(tokenizer.stop_ids)
         self.compiled = compile
         self.capacity_step = 1024 if compile and round_capacity else 1
-        if compile:  # on a GPU, a step that waits for a fetch breaks the layer's graph
-            device = model.tok_embeddings.weight.device
-            compile_decode(model, fullgraph=all(compiles_whole(self.config(m), device) for m in methods
-                                                if m.split(":")[0] not in ("full", "streaming", "h2o")))
-
-    def config(self, method: str) -> SpeCacheConfig:
-        return replace(specache_config_for(method, self.topk), stats=self.stats)
+        if compile:  # on a GPU, a step that reads the slow tier inside a layer splits the layer's graph
+            on_gpu = model.tok_embeddings.weight.device.type == "cuda"
+            low_bit = [specache_config(kind, bits, select, topk, stats=stats)
+                       for kind, bits, select in self.kinds.values() if kind in LOW_BIT_KINDS]
+            compile_decode(model, fullgraph=not (on_gpu and any(c.reads_slow_tier_in_step() for c in low_bit)))
 
     def budget(self, capacity: int) -> int:
         return equal_budget_tokens(self.model, capacity, SpeCacheConfig(bits=self.budget_bits, topk=self.topk))
@@ -160,36 +136,21 @@ class Runner:
         from the first token. `overlap_fetch=False`: SpeCache on a GPU waits for each fetch as it starts.
         `callback` gets each new token (B, 1), the first one included, as generate's does."""
         model, capacity = self.model, self.capacity(prompt, max_new_tokens)
-        prompts, lengths = [prompt] * batch_size, [len(prompt)] * batch_size
-        copies = [(rec.k.expand(batch_size, -1, -1, -1), rec.v.expand(batch_size, -1, -1, -1),
-                   None if rec.mass is None else rec.mass * batch_size) for rec in prefilled.recorders]
-        common = dict(stop_ids=self.stop_ids, temperature=0, first_token=prefilled.first.expand(batch_size, 1))
-        if callback is not None:
-            common["callback"] = callback
-        if method == "full":
-            model.setup_caches(batch_size, capacity)
-            for layer, (k, v, _) in zip(model.layers, copies):
-                layer.attention.kv_cache.ingest_prompt(k, v)
-            use_flex = self.compiled and flex_attention_available(model.tok_embeddings.weight.device)
-            return generate(model, prompts, max_new_tokens, use_flex=use_flex, **common)
-        if method in ("streaming", "h2o"):
-            # SpeCache's fast tier at the true length: a capacity rounded up for --compile would inflate it
-            config = EvictionConfig(method, self.budget(len(prompt) + max_new_tokens), self.sink_tokens)
-            state = setup_eviction(model, batch_size, capacity, config)
-            state.begin(lengths)
-            for layer, (k, v, mass) in zip(model.layers, copies):
-                cache = layer.attention.kv_cache
-                if isinstance(cache, EvictionLayer):
-                    cache.ingest_prompt(k, v, mass)
-                else:  # a sliding-window layer's ring
-                    cache.ingest_prompt(k, v)
-            return eviction_generate(model, state, prompts, max_new_tokens, **common)
-        config = replace(self.config(method), overlap_fetch=overlap_fetch)
-        state = setup_specache(model, batch_size, capacity, config)
-        state.begin(lengths)
-        for layer, (k, v, _) in zip(model.layers, copies):
-            layer.attention.kv_cache.ingest_prompt(k, v)
-        return specache_generate(model, state, prompts, max_new_tokens, **common)
+        device = model.tok_embeddings.weight.device
+        kind = self.kinds[method][0]
+        # the eviction budget from SpeCache's fast tier at the true length (a capacity rounded up
+        # for --compile would inflate it)
+        budget = self.budget(len(prompt) + max_new_tokens) if kind in ("streaming", "h2o") else None
+        cache = make_cache(method, model, batch_size, capacity, topk=self.topk, stats=self.stats,
+                           overlap_fetch=overlap_fetch, budget_tokens=budget, sink_tokens=self.sink_tokens,
+                           use_flex=self.compiled and flex_attention_available(device))
+        tokens = torch.tensor([prompt] * batch_size, device=device)
+        cache.begin(tokens, torch.full((batch_size,), len(prompt), device=device))
+        cache.ingest([(rec.k.expand(batch_size, -1, -1, -1), rec.v.expand(batch_size, -1, -1, -1),
+                       None if rec.mass is None else rec.mass * batch_size) for rec in prefilled.recorders])
+        return generate(model, cache, [prompt] * batch_size, max_new_tokens, stop_ids=self.stop_ids, temperature=0,
+                        first_token=prefilled.first.expand(batch_size, 1),
+                        **({} if callback is None else dict(callback=callback)))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -222,10 +183,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def method_argument(method: str) -> str:
+    """argparse's type for a method name (caches.py)."""
     try:
-        return check_method(method)
+        parse_method(method)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    return method
 
 
 def runner_from_args(args: argparse.Namespace) -> Runner:

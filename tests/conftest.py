@@ -8,7 +8,8 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from model import ModelArgs, Transformer  # noqa: E402
+from config import ModelArgs  # noqa: E402
+from model import Transformer  # noqa: E402
 
 TINY_HF_KINDS = {
     "llama-mha": dict(num_attention_heads=4, num_key_value_heads=4),
@@ -68,21 +69,21 @@ def tiny_model(seed: int = 0, **overrides) -> Transformer:
 @pytest.fixture(scope="session")
 def smollm2_checkpoint() -> Path:
     """The default model's model.pth (prepared once, from the GGUF, as generate.py does)."""
-    from scripts.convert_gguf import prepare_default_checkpoint
+    from checkpoint import prepare_default_checkpoint
 
     return prepare_default_checkpoint()
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf(tmp_path_factory) -> Path:
-    from scripts.convert_gguf import find_default_gguf
+    from checkpoint import find_default_gguf
 
     return find_default_gguf(tmp_path_factory.mktemp("gguf"))
 
 
 @pytest.fixture(scope="session")
 def smollm2_model(smollm2_checkpoint):
-    from generate import load_model
+    from checkpoint import load_model
 
     return load_model(smollm2_checkpoint, torch.device("cpu"), torch.float32)
 
@@ -103,13 +104,13 @@ def gemma3_gguf(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def gemma3_checkpoint(gemma3_gguf) -> Path:
     """Gemma-3-270M's model.pth in checkpoints/google/gemma-3-270m (converted once)."""
-    from scripts.convert_gguf import GEMMA_CHECKPOINT_DIR, prepare_checkpoint
+    from checkpoint import GEMMA_CHECKPOINT_DIR, prepare_checkpoint
 
     return prepare_checkpoint(GEMMA_CHECKPOINT_DIR, lambda download_dir: gemma3_gguf, "Gemma-3-270M")
 
 
 @pytest.fixture(scope="session")
 def gemma3_model(gemma3_checkpoint):
-    from generate import load_model
+    from checkpoint import load_model
 
     return load_model(gemma3_checkpoint, torch.device("cpu"), torch.float32)

@@ -9,7 +9,7 @@ import torch
 from conftest import make_tiny_hf_model
 import generate as generate_module
 from generate import main
-from scripts.convert_hf_checkpoint import convert_hf_checkpoint
+from convert import convert_hf_checkpoint
 
 
 def run_cli(capsys, *argv):
@@ -158,8 +158,10 @@ def test_top_k_beyond_the_context_is_clamped_with_a_note(capsys, smollm2_checkpo
     code, out, err = run_cli(capsys, "--specache", "--specache_topk", "500", "--prompt", "Hello there",
                              "--max_new_tokens", "3", "--temperature", "0", "--json")
     assert code == 0, err
-    assert "clamped to 64" in err and "Traceback" not in err
-    assert json.loads(out)["topk"] == 64
+    # two tokens of prompt: everything stays 16-bit in the window, nothing is quantized or fetched
+    assert "clamped to 0" in err and "Traceback" not in err
+    result = json.loads(out)
+    assert result["topk"] == 0 and result["fast_tier_ratio_to_16bit_cache"] == 1.0
 
 
 def test_specache_refuses_head_dims_that_do_not_fill_bytes(capsys, smollm2_checkpoint, tmp_path):
@@ -194,7 +196,6 @@ def test_ctrl_c_during_decode_prints_what_was_generated(capsys, smollm2_checkpoi
     argv = ["--prompt", "One, two, three,", "--temperature", "0", *extra]
     code, whole, err = run_cli(capsys, *argv, "--max_new_tokens", "4")
     assert code == 0, err
-    import specache
 
     def interrupt_after_four_tokens(real):
         def wrapped(*args, callback, **kwargs):
@@ -210,7 +211,6 @@ def test_ctrl_c_during_decode_prints_what_was_generated(capsys, smollm2_checkpoi
         return wrapped
 
     monkeypatch.setattr(generate_module, "generate", interrupt_after_four_tokens(generate_module.generate))
-    monkeypatch.setattr(specache, "specache_generate", interrupt_after_four_tokens(specache.specache_generate))
     code, out, err = run_cli(capsys, *argv, "--max_new_tokens", "50")
     assert code == 130 and "[interrupted]" in err and "Traceback" not in err
     if "--json" in extra:

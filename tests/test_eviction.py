@@ -4,10 +4,11 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model
-from eviction import EvictionConfig, EvictionLayer, EvictionState, equal_budget_tokens, eviction_generate, \
-    eviction_layers, prompt_attention_mass, setup_eviction
+from caches import FullCache, equal_budget_tokens
+from eviction import EvictionCache, EvictionConfig, EvictionLayer, EvictionState, prompt_attention_mass
 from generate import generate
-from specache import SpeCacheConfig, setup_specache, specache_layers
+from model import CausalPrompt
+from specache import SpeCache, SpeCacheConfig
 
 
 def prompt(n: int, seed: int = 1) -> list[int]:
@@ -22,10 +23,43 @@ def test_budget_above_length_is_the_full_cache(policy, layout):
 
     model = tiny_model(**(HYBRID if layout == "hybrid" else {}))
     prompts = [prompt(40), prompt(33, seed=2)]
-    model.setup_caches(2, 60)
-    full = generate(model, prompts, 12)
-    state = setup_eviction(model, 2, 60, EvictionConfig(policy, budget=60, pair_dtype=torch.float32))
-    assert eviction_generate(model, state, prompts, 12).tokens == full.tokens
+    full = generate(model, FullCache(model, 2, 60), prompts, 12)
+    cache = EvictionCache(model, 2, 60, EvictionConfig(policy, budget=60, pair_dtype=torch.float32))
+    assert generate(model, cache, prompts, 12).tokens == full.tokens
+
+
+@torch.no_grad()
+def streaming_reference(model, prompts, new_tokens, budget, sinks):
+    """Greedy decoding with the full cache and a mask that shows each new token only what
+    StreamingLLM keeps: the first `sinks` positions and the newest budget - sinks, then itself."""
+    FullCache(model, len(prompts), max(map(len, prompts)) + new_tokens)
+    lengths = torch.tensor([len(p) for p in prompts])
+    tokens = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = torch.tensor(p)
+    positions = torch.arange(tokens.shape[1]).expand(len(prompts), -1)
+    token = model(tokens, positions, CausalPrompt(lengths), output_index=(lengths - 1)[:, None]).argmax(-1)
+    out, pos = [token], lengths[:, None].clone()
+    kv = torch.arange(model.max_seq_length)
+    for _ in range(new_tokens - 1):
+        recent = budget - sinks
+        visible = (kv < sinks) | ((kv >= pos - recent) & (kv <= pos))  # (B, T)
+        token = model(token, pos, visible[:, None, None, :]).argmax(-1)
+        out.append(token)
+        pos = pos + 1
+    return torch.cat(out, 1).tolist()
+
+
+def test_streaming_that_evicts_equals_full_attention_masked_to_what_it_keeps():
+    """Budget 24 of 60- and 45-token prompts, 30 more tokens: most positions are evicted, and
+    every step attends exactly over the sinks and the newest tokens."""
+    model = tiny_model()
+    prompts = [prompt(60), prompt(45, seed=2)]
+    expected = streaming_reference(model, prompts, 30, budget=24, sinks=4)
+    cache = EvictionCache(model, 2, 90, EvictionConfig("streaming", budget=24, pair_dtype=torch.float32))
+    assert generate(model, cache, prompts, 30, temperature=0).tokens == expected
+    unlimited = generate(model, FullCache(model, 2, 90), prompts, 30, temperature=0).tokens
+    assert unlimited != expected  # the eviction changes what is generated, so the comparison can tell
 
 
 def test_prompt_attention_mass_is_the_column_sum_of_causal_attention():
@@ -88,10 +122,8 @@ def test_equal_budget_matches_specache_fast_tier_bytes():
     model = tiny_model()
     config = SpeCacheConfig(bits=1, group=32, residual=32, topk=16)
     budget = equal_budget_tokens(model, 1000, config)
-    setup_specache(model, 1, 1000, config)
-    specache_bytes = specache_layers(model)[0].fast_tier_bytes()
-    setup_eviction(model, 1, 1000, EvictionConfig("h2o", budget))
-    eviction_bytes = eviction_layers(model)[0].fast_tier_bytes()
+    specache_bytes = SpeCache(model, 1, 1000, config).layers[0].fast_tier_bytes()
+    eviction_bytes = EvictionCache(model, 1, 1000, EvictionConfig("h2o", budget)).layers[0].fast_tier_bytes()
     per_token = eviction_bytes / budget
     assert specache_bytes - per_token < eviction_bytes <= specache_bytes
 
@@ -103,4 +135,4 @@ def test_equal_budget_matches_specache_fast_tier_bytes():
 ])
 def test_invalid_configs_are_refused(config, message):
     with pytest.raises(ValueError, match=message):
-        setup_eviction(tiny_model(), 1, 100, config)
+        EvictionCache(tiny_model(), 1, 100, config)

@@ -7,8 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_model
+from caches import FullCache
 from generate import generate
-from specache import SpeCacheConfig, setup_specache, specache_generate
+from specache import SpeCache, SpeCacheConfig
 
 FUZZ = settings(max_examples=25, deadline=None, derandomize=True)
 
@@ -33,12 +34,14 @@ def test_fetching_every_position_reproduces_the_full_cache(case):
     model = tiny_model(seed=seed % 7, **model_config)
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in lengths]
-    capacity = max(lengths) + new_tokens
-    model.setup_caches(len(prompts), capacity)
-    full = generate(model, prompts, new_tokens, temperature=0)
-    config = SpeCacheConfig(topk=capacity + 64, pair_dtype=torch.float32, **cache)
-    state = setup_specache(model, len(prompts), capacity, config)
-    assert specache_generate(model, state, prompts, new_tokens, temperature=0).tokens == full.tokens
+    context = max(lengths) + new_tokens
+    full = generate(model, FullCache(model, len(prompts), context), prompts, new_tokens, temperature=0)
+    # twice the context and more: room for a slot at every position (see specache_stats.fast_tier_plan)
+    capacity = 2 * context + 128
+    config = SpeCacheConfig(topk=capacity, pair_dtype=torch.float32, **cache)
+    specache = SpeCache(model, len(prompts), capacity, config)
+    assert specache.layers[0].k_spec + specache.layers[0].k_real >= context
+    assert generate(model, specache, prompts, new_tokens, temperature=0).tokens == full.tokens
 
 
 INVALID = st.one_of(
@@ -58,7 +61,7 @@ def test_invalid_settings_are_refused_with_their_documented_error(invalid, head_
     model = tiny_model(n_layer=1, n_head=2, n_local_heads=1, dim=2 * head_dim)
     config = SpeCacheConfig(**dict(dict(group=16, residual=16), **overrides))
     with pytest.raises(ValueError, match=message):
-        setup_specache(model, 1, 64, config)
+        SpeCache(model, 1, 64, config)
 
 
 @FUZZ
@@ -67,7 +70,7 @@ def test_head_dims_that_do_not_fill_bytes_are_refused(head_dim, bits):
     model = tiny_model(n_layer=1, n_head=1, n_local_heads=1, dim=head_dim)
     config = SpeCacheConfig(bits=bits, group=4, residual=4)
     if head_dim * bits % 8 == 0:
-        setup_specache(model, 1, 16, config)
+        SpeCache(model, 1, 16, config)
     else:
         with pytest.raises(ValueError, match="whole bytes"):
-            setup_specache(model, 1, 16, config)
+            SpeCache(model, 1, 16, config)

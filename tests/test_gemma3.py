@@ -9,7 +9,8 @@ import torch
 
 from generate import generate
 from scripts.haystack import haystack_tokens
-from specache import SpeCacheConfig, setup_specache, specache_generate
+from caches import FullCache
+from specache import SpeCache, SpeCacheConfig
 from tokenizer import get_tokenizer
 
 PROMPT_TOKENS, DECODE_STEPS = 600, 6
@@ -58,11 +59,11 @@ def test_specache_fetching_every_position_reproduces_the_full_cache(gemma3_model
     """Top-k at least the context, fp32 pairs: the global layers' SpeCache and the local layers'
     rings, through two-row decode steps, generate what the full cache generates."""
     model, new_tokens = gemma3_model, 24
-    model.setup_caches(1, PROMPT_TOKENS + new_tokens)
-    full = generate(model, [prompt], new_tokens, temperature=0)
+    full = generate(model, FullCache(model, 1, PROMPT_TOKENS + new_tokens), [prompt], new_tokens, temperature=0)
     for bits in (1, 2):
         config = SpeCacheConfig(bits=bits, topk=1024, pair_dtype=torch.float32)
-        state = setup_specache(model, 1, PROMPT_TOKENS + new_tokens, config)
-        result = specache_generate(model, state, [prompt], new_tokens, temperature=0)
+        # twice the context: room for a slot at every position it quantizes (specache_stats.fast_tier_plan)
+        result = generate(model, SpeCache(model, 1, 2 * (PROMPT_TOKENS + new_tokens), config), [prompt], new_tokens,
+                          temperature=0)
         assert result.tokens == full.tokens, bits
         assert result.stats["sliding_window_layers"] == 15

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from eviction import EvictionConfig, eviction_generate, setup_eviction
+from caches import NAMED_METHODS, FullCache, parse_method, specache_config
+from eviction import EvictionCache, EvictionConfig
 from generate import generate
-from scripts.harness import BASE_METHODS, Runner, check_method, specache_config_for, write_report
-from specache import setup_specache, specache_generate
+from scripts.harness import Runner, write_report
+from specache import SpeCache
 
 TOPK = 16
 
@@ -24,21 +25,20 @@ def test_shared_prefill_gives_each_method_its_own_generation(layout):
     tokenizer = types.SimpleNamespace(stop_ids=[5], decode=lambda ids: " ".join(map(str, ids)))
     prompt = torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(3)).tolist()
     new, capacity = 16, 316
-    methods = list(BASE_METHODS) + ["specache-1bit:paper", "kivi-1bit:lloyd"]
+    methods = list(NAMED_METHODS) + ["specache-1bit:paper", "kivi-1bit:lloyd"]
     runner = Runner(model, tokenizer, methods, topk=TOPK)
     shared = runner.run(prompt, new)
 
     stop = frozenset([5])
     for method in methods:
         if method == "full":
-            model.setup_caches(1, capacity)
-            alone = generate(model, [prompt], new, stop_ids=stop)
+            cache = FullCache(model, 1, capacity)
         elif method in ("streaming", "h2o"):
-            state = setup_eviction(model, 1, capacity, EvictionConfig(method, runner.budget(capacity)))
-            alone = eviction_generate(model, state, [prompt], new, stop_ids=stop)
+            cache = EvictionCache(model, 1, capacity, EvictionConfig(method, runner.budget(capacity)))
         else:
-            state = setup_specache(model, 1, capacity, specache_config_for(method, TOPK))
-            alone = specache_generate(model, state, [prompt], new, stop_ids=stop)
+            kind, bits, select = parse_method(method)
+            cache = SpeCache(model, 1, capacity, specache_config(kind, bits, select, TOPK))
+        alone = generate(model, cache, [prompt], new, stop_ids=stop)
         assert shared[method].tokens == alone.tokens[0], method
         assert shared[method].text == " ".join(str(t) for t in alone.tokens[0] if t != 5)
     assert shared["full"].fast_tier_bytes is None
@@ -74,14 +74,15 @@ def test_prompt_format_auto_picks_chat_for_chat_tuned_names_only():
 
 
 def test_method_names_carry_a_selection():
-    paper = specache_config_for("specache-1bit:paper", 64)
+    config = lambda method: specache_config(*parse_method(method), topk=64)
+    paper = config("specache-1bit:paper")
     assert (paper.real_share, paper.gqa, paper.levels, paper.speculative) == (0.0, "mean", "minmax", True)
-    assert specache_config_for("specache-1bit", 64) == specache_config_for("specache-1bit:default", 64)
-    kivi = specache_config_for("kivi-2bit", 64)
+    assert config("specache-1bit") == config("specache-1bit:default")
+    kivi = config("kivi-2bit")
     assert (kivi.topk, kivi.bits, kivi.select_name()) == (0, 2, "paper")
-    nospec = specache_config_for("specache-nospec-1bit:split,sinks=8", 64)
+    nospec = config("specache-nospec-1bit:split,sinks=8")
     assert (nospec.speculative, nospec.real_share, nospec.sinks) == (False, 0.5, 8)
     for bad, message in [("full:paper", "unknown method"), ("specache-3bit", "unknown method"),
                          ("specache-1bit:sideways", "unknown --specache_select entry")]:
         with pytest.raises(ValueError, match=message):
-            check_method(bad)
+            parse_method(bad)

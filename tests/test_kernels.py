@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from kernels.attention import (LowBitKV, Segments, drop_from_lowbit, key_scores, key_scores_reference, lowbit_part,
+from kernels.attention import (Segments, drop_from_lowbit, key_scores, key_scores_reference, lowbit_part,
                                mixed_attention, mixed_attention_reference, positions_mask, value_mix,
                                value_mix_reference)
-from kernels.quant import (dequantize_keys, dequantize_values, pack_bits, quantize_groups, quantize_keys,
+from kernels.quant import (LowBitKV, dequantize_keys, dequantize_values, pack_bits, quantize_groups, quantize_keys,
                            quantize_values, unpack_bits)
 
 

@@ -20,15 +20,15 @@ def test_helpers():
 def test_full_cache_choices_are_what_greedy_decoding_picks():
     model = tiny_model()
     prompt = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(1)).tolist()
-    model.setup_caches(1, 50)
+    from caches import FullCache
     from generate import generate
 
-    generated = generate(model, [prompt], 20, temperature=0).tokens[0]
+    generated = generate(model, FullCache(model, 1, 50), [prompt], 20, temperature=0).tokens[0]
     assert full_cache_choices(model, prompt, generated) == generated
 
 
 def test_shortened_drift_run_on_the_real_model(smollm2_checkpoint):
-    from generate import load_model
+    from checkpoint import load_model
     from scripts.haystack import haystack_tokens
     from tokenizer import get_tokenizer
 

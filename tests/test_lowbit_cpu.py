@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kernels import lowbit_cpu
-from kernels.attention import LowBitKV
+from kernels.quant import LowBitKV
 from kernels.lowbit_cpu import lowbit_partial_attention, lowbit_partial_attention_reference
 from kernels.quant import quantize_keys, quantize_values
 

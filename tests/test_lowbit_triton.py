@@ -24,7 +24,7 @@ CASES = [(3, 6, 64, 1000, 930, 64), (8, 8, 128, 200, 200, 16), (2, 3, 64, 130, 6
 
 
 def check_all(device: str) -> None:
-    from kernels.attention import LowBitKV
+    from kernels.quant import LowBitKV
     from kernels.lowbit_cpu import lowbit_partial_attention_reference
     from kernels.lowbit_triton import run_kernels
     from kernels.quant import quantize_keys, quantize_values
@@ -68,7 +68,7 @@ def test_mixed_attention_on_cuda_dispatches_to_triton(monkeypatch):
     calls = []
     real = lowbit_triton.run_kernels
     monkeypatch.setattr(lowbit_triton, "run_kernels", lambda *args: calls.append(1) or real(*args))
-    from kernels.attention import LowBitKV
+    from kernels.quant import LowBitKV
     from kernels.quant import quantize_keys, quantize_values
 
     keys, values = torch.randn(1, 2, 128, 64), torch.randn(1, 2, 128, 64)

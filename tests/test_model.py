@@ -3,9 +3,10 @@ import pytest
 import torch
 
 from conftest import TINY_HF_KINDS, make_tiny_hf_model
-from generate import load_model
-from model import ModelArgs, Transformer, apply_rope_scaling
-from scripts.convert_hf_checkpoint import convert_hf_checkpoint
+from checkpoint import load_model
+from config import ModelArgs
+from model import Transformer, apply_rope_scaling
+from convert import convert_hf_checkpoint
 
 
 def converted(hf_model, tmp_path):

@@ -36,7 +36,7 @@ class FakeRunner:
 
 
 def test_sweep_tables_and_heatmaps(tmp_path):
-    from scripts.convert_gguf import prepare_default_checkpoint
+    from checkpoint import prepare_default_checkpoint
     from tokenizer import get_tokenizer
 
     runner = FakeRunner(get_tokenizer(prepare_default_checkpoint().parent))
@@ -55,7 +55,7 @@ def test_sweep_tables_and_heatmaps(tmp_path):
 
 
 def test_completion_prompts_end_where_the_answer_starts():
-    from scripts.convert_gguf import prepare_default_checkpoint
+    from checkpoint import prepare_default_checkpoint
     from scripts.haystack import ANSWER_PREFIX, needle_prompt
     from tokenizer import get_tokenizer
 

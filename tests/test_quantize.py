@@ -1,17 +1,20 @@
 """quantize.py: int8 and int4 weight-only quantization, its modules against their references,
-the files generate.py loads by name, and SpeCache on a quantized model."""
+the files scripts/quantize_checkpoint.py writes and generate.py loads by name, and SpeCache on a
+quantized model."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-import quantize
+from checkpoint import load_model
 from conftest import make_tiny_hf_model, tiny_model
-from generate import generate, load_model
+from convert import convert_hf_checkpoint
+from generate import generate
 from model import CAUSAL_PROMPT
-from quantize import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8,
+from quantize import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, pack_int4, quantize_int4, quantize_int8,
                       quantized_state_dict)
-from scripts.convert_hf_checkpoint import convert_hf_checkpoint
-from specache import SpeCacheConfig, setup_specache, specache_generate
+from scripts import quantize_checkpoint
+from caches import FullCache
+from specache import SpeCache, SpeCacheConfig
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +90,7 @@ def test_quantized_logits_stay_close_to_the_float_model():
         model = tiny_model()
         state_dict = quantized_state_dict(model, mode, groupsize)
         model.load_state_dict(state_dict, strict=False, assign=True)
-        quantize.pack_int4(model)
+        pack_int4(model)
         model.setup_caches(2, 40)
         got = model(tokens, positions, CAUSAL_PROMPT)
         assert F.cosine_similarity(got.flatten(), expected.flatten(), 0) > floor, mode
@@ -95,7 +98,7 @@ def test_quantized_logits_stay_close_to_the_float_model():
 
 @pytest.mark.parametrize("mode, name", [("int8", "model_int8.pth"), ("int4", "model_int4.g32.pth")])
 def test_files_round_trip_and_decode_with_specache_as_with_the_full_cache(tiny_checkpoint, mode, name, capsys):
-    assert quantize.main(["--checkpoint", str(tiny_checkpoint), "--mode", mode, "--groupsize", "32"]) == 0
+    assert quantize_checkpoint.main(["--checkpoint", str(tiny_checkpoint), "--mode", mode, "--groupsize", "32"]) == 0
     path = tiny_checkpoint.with_name(name)
     assert path.is_file() and f"wrote {path}" in capsys.readouterr().out
     model = load_model(path, torch.device("cpu"), torch.float32)
@@ -103,7 +106,7 @@ def test_files_round_trip_and_decode_with_specache_as_with_the_full_cache(tiny_c
     in_memory = load_model(tiny_checkpoint, torch.device("cpu"), torch.float32)
     state_dict = quantized_state_dict(in_memory, mode, 32 if mode == "int4" else None)
     in_memory.load_state_dict(state_dict, strict=False, assign=True)
-    quantize.pack_int4(in_memory)
+    pack_int4(in_memory)
     tokens, positions = torch.randint(0, 97, (1, 30)), torch.arange(30)[None]
     for m in (model, in_memory):
         m.setup_caches(1, 30)
@@ -111,17 +114,16 @@ def test_files_round_trip_and_decode_with_specache_as_with_the_full_cache(tiny_c
                                rtol=0, atol=0)
 
     prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 75)]
-    model.setup_caches(2, 75 + 20)
-    full = generate(model, prompts, 20, temperature=0)
+    full = generate(model, FullCache(model, 2, 75 + 20), prompts, 20, temperature=0)
     config = SpeCacheConfig(topk=256, pair_dtype=torch.float32, group=16, residual=16)
-    state = setup_specache(model, 2, 75 + 20, config)
-    assert specache_generate(model, state, prompts, 20, temperature=0).tokens == full.tokens
+    # a roomy capacity: a slot for every position it quantizes (specache_stats.fast_tier_plan)
+    assert generate(model, SpeCache(model, 2, 256, config), prompts, 20, temperature=0).tokens == full.tokens
 
 
 def test_quantize_refuses_a_quantized_file_and_a_group_that_does_not_divide(tiny_checkpoint, capsys):
-    quantize.main(["--checkpoint", str(tiny_checkpoint), "--mode", "int8"])
-    assert quantize.main(["--checkpoint", str(tiny_checkpoint.with_name("model_int8.pth"))]) == 2
+    quantize_checkpoint.main(["--checkpoint", str(tiny_checkpoint), "--mode", "int8"])
+    assert quantize_checkpoint.main(["--checkpoint", str(tiny_checkpoint.with_name("model_int8.pth"))]) == 2
     assert "quantized already" in capsys.readouterr().err
-    assert quantize.main(["--checkpoint", str(tiny_checkpoint), "--mode", "int4", "--groupsize", "128"]) == 2
+    assert quantize_checkpoint.main(["--checkpoint", str(tiny_checkpoint), "--mode", "int4", "--groupsize", "128"]) == 2
     assert "group size" in capsys.readouterr().err
     assert not tiny_checkpoint.with_name("model_int4.g128.pth").exists()

@@ -13,7 +13,8 @@ import torch
 
 from conftest import tiny_model
 from reference_decoder import ReferenceDecoder
-from specache import SpeCacheConfig, setup_specache, specache_generate
+from generate import generate
+from specache import SpeCache, SpeCacheConfig
 
 NEW_TOKENS = 32
 
@@ -58,11 +59,13 @@ def one_thread():
 
 def run_implementation(model, config, prompts, max_seq_length):
     """specache's tokens and every pass's logits after the prefill (bootstrap, then each step)."""
-    state = setup_specache(model, len(prompts), max_seq_length, config)
+    cache = SpeCache(model, len(prompts), max_seq_length, config)
+    layer = cache.layers[0]  # the capacities here are roomy: k and the sinks are the config's (see fast_tier_plan)
+    assert (layer.k_spec + layer.k_real, layer.n_sinks) == (config.topk, config.sinks)
     logits = []
     hook = model.output.register_forward_hook(lambda module, args, out: logits.append(out.detach().float().clone()))
     try:
-        result = specache_generate(model, state, prompts, NEW_TOKENS, temperature=0)
+        result = generate(model, cache, prompts, NEW_TOKENS, temperature=0)
     finally:
         hook.remove()
     return result.tokens, logits[1:]

@@ -36,7 +36,7 @@ ASSISTANT = "<|im_start|>assistant\n"  # the default model (SmolLM2) uses ChatML
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from scripts.convert_gguf import prepare_default_checkpoint
+    from checkpoint import prepare_default_checkpoint
     from tokenizer import get_tokenizer
 
     return get_tokenizer(prepare_default_checkpoint().parent)

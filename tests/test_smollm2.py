@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT
+from caches import FullCache
 from generate import generate
 from tokenizer import get_tokenizer
 
@@ -37,8 +38,8 @@ def test_greedy_generation_matches_hf_generate(smollm2_model, smollm2_checkpoint
     prompt = tokenizer.encode_chat("What is the capital of France?")
     with torch.no_grad():
         reference = hf_gguf_model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
-    smollm2_model.setup_caches(1, len(prompt) + 16)
-    ours = generate(smollm2_model, [prompt], 16, temperature=0, stop_ids=frozenset(tokenizer.stop_ids))
+    ours = generate(smollm2_model, FullCache(smollm2_model, 1, len(prompt) + 16), [prompt], 16, temperature=0,
+                    stop_ids=frozenset(tokenizer.stop_ids))
     assert ours.tokens[0] == reference[0, len(prompt):].tolist()
 
 

@@ -2,15 +2,20 @@
 import pytest
 import torch
 
+import selection
 import specache
 from conftest import tiny_model
 from generate import compile_decode, generate
 import kernels.attention
+import offload
 from kernels.attention import mixed_attention
 from kernels.lowbit_cpu import lowbit_partial_attention_reference
-from kernels.quant import dequantize_keys, quantize_keys, quantize_values
-from model import KVCache, ModelArgs, Transformer
-from specache import SpeCacheConfig, SpeCacheLayer, select_top_k, setup_specache, specache_generate
+from kernels.quant import LowBitKV, dequantize_keys, quantize_keys, quantize_values
+from config import ModelArgs
+from model import KVCache, Transformer
+from caches import FullCache
+from kernels.attention import select_top_k
+from specache import SpeCache, SpeCacheConfig, SpeCacheLayer
 
 VOCAB = 97
 # small groups so that a few dozen steps cross several window flushes
@@ -21,19 +26,27 @@ HYBRID = dict(n_layer=3, sliding_window=16, layer_types=["sliding_attention", "f
               scale_embeddings=True, norm_in_fp32=True)
 
 
+# A capacity with room for slots at every position these prompts ever quantize: the fast tier
+# never exceeds a 16-bit cache of its capacity (specache_stats.fast_tier_plan), and fetching every
+# position takes more slots than a capacity just above the context leaves.
+ROOMY = 256
+
+
 def prompts_of(*lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-def run_specache(model, prompts, new_tokens, config, capacity=None, **kwargs):
-    state = setup_specache(model, len(prompts), capacity or max(map(len, prompts)) + new_tokens, config)
-    return specache_generate(model, state, prompts, new_tokens, temperature=0, **kwargs)
+def run_specache(model, prompts, new_tokens, config, capacity=None, guess_next=None):
+    cache = SpeCache(model, len(prompts), capacity or max(map(len, prompts)) + new_tokens, config)
+    if guess_next is not None:
+        cache.guess_next = guess_next
+    return generate(model, cache, prompts, new_tokens, temperature=0)
 
 
 def run_full(model, prompts, new_tokens):
-    model.setup_caches(len(prompts), max(map(len, prompts)) + new_tokens)
-    return generate(model, prompts, new_tokens, temperature=0)
+    cache = FullCache(model, len(prompts), max(map(len, prompts)) + new_tokens)
+    return generate(model, cache, prompts, new_tokens, temperature=0)
 
 
 @pytest.mark.parametrize("layout", ["llama", "hybrid"])
@@ -46,15 +59,15 @@ def test_fetching_every_position_reproduces_the_full_cache(speculative, bits, la
     prompts = prompts_of(45, 83)
     full = run_full(model, prompts, 40)
     config = SpeCacheConfig(bits=bits, topk=256, speculative=speculative, pair_dtype=torch.float32, **SMALL)
-    assert run_specache(model, prompts, 40, config).tokens == full.tokens
+    assert run_specache(model, prompts, 40, config, capacity=ROOMY).tokens == full.tokens
 
 
 def test_sixteen_bit_pairs_stay_close_to_the_fp32_full_cache():
     model = tiny_model()
     prompts = prompts_of(60)
     full = run_full(model, prompts, 24)
-    result = run_specache(model, prompts, 24, SpeCacheConfig(topk=256, **SMALL))  # fp16 pairs by default
-    assert specache.specache_layers(model)[0].slow.k.dtype == torch.float16
+    result = run_specache(model, prompts, 24, SpeCacheConfig(topk=256, **SMALL), capacity=ROOMY)  # fp16 pairs
+    assert model.layers[0].attention.kv_cache.tier.k.dtype == torch.float16
     assert result.tokens == full.tokens
 
 
@@ -84,8 +97,8 @@ def test_with_every_position_fetched_the_guesses_cannot_change_the_tokens():
     model = tiny_model()
     prompts = prompts_of(70, 40)
     config = SpeCacheConfig(topk=256, pair_dtype=torch.float32, **SMALL).with_select("paper")
-    paper = run_specache(model, prompts, 30, config)
-    guessed = run_specache(model, prompts, 30, config, guess_next=random_guesses(5))
+    paper = run_specache(model, prompts, 30, config, capacity=ROOMY)
+    guessed = run_specache(model, prompts, 30, config, capacity=ROOMY, guess_next=random_guesses(5))
     assert guessed.tokens == paper.tokens
     assert guessed.stats["speculative_match_rate"] < paper.stats["speculative_match_rate"]
 
@@ -99,8 +112,8 @@ def test_repeated_generations_are_identical(speculative, bits, batch):
     model = tiny_model()
     prompts = prompts_of(*[50, 97, 130][:batch])
     config = SpeCacheConfig(bits=bits, topk=8, speculative=speculative, stats=True, **SMALL)
-    state = setup_specache(model, batch, 130 + 40, config)
-    runs = [specache_generate(model, state, prompts, 40, temperature=0) for _ in range(3)]
+    cache = SpeCache(model, batch, 130 + 40, config)
+    runs = [generate(model, cache, prompts, 40, temperature=0) for _ in range(3)]
     assert runs[0].tokens == runs[1].tokens == runs[2].tokens
     assert runs[0].stats == runs[1].stats == runs[2].stats
     # and the same as a fresh setup (what the first generation of a process sees)
@@ -114,9 +127,9 @@ def test_repeated_generations_in_one_process_match_after_a_different_prompt():
     model = tiny_model()
     config = SpeCacheConfig(topk=8, stats=True, **SMALL).with_select("default,correct=0.95")
     first, second = prompts_of(120, seed=1), prompts_of(90, seed=2)
-    state = setup_specache(model, 1, 160, config)
-    specache_generate(model, state, first, 30, temperature=0)
-    after = specache_generate(model, state, second, 30, temperature=0)
+    cache = SpeCache(model, 1, 160, config)
+    generate(model, cache, first, 30, temperature=0)
+    after = generate(model, cache, second, 30, temperature=0)
     alone = run_specache(model, second, 30, config, capacity=160)
     assert after.tokens == alone.tokens and after.stats == alone.stats
 
@@ -126,14 +139,12 @@ def test_real_row_logits_do_not_depend_on_the_speculative_token_within_a_step():
     prompt = prompts_of(90)[0]
     logits = []
     for guess in (5, 50):
-        state = setup_specache(model, 1, 120, SpeCacheConfig(topk=8, **SMALL))
-        specache_generate(model, state, [prompt], 1, temperature=0)
-        state.append = False
+        cache = SpeCache(model, 1, 120, SpeCacheConfig(topk=8, **SMALL))
+        generate(model, cache, [prompt], 1, temperature=0)
         pos = torch.tensor([[len(prompt)]])
-        specache.run_layers(model, torch.tensor([[7]]), pos, start_fetches=True)
-        state.append = True
-        out = specache.run_layers(model, torch.tensor([[7, guess]]), torch.cat([pos, pos + 1], 1), start_fetches=True)
-        specache.wait_for_fetches(model)
+        cache.run(model, torch.tensor([[7]]), pos, specache.BOOTSTRAP)
+        out = cache.run(model, torch.tensor([[7, guess]]), torch.cat([pos, pos + 1], 1), specache.DECODE)
+        cache.finish()
         logits.append(out[0, 0])
     assert torch.equal(logits[0], logits[1])
 
@@ -146,29 +157,30 @@ def test_window_flushes_leave_every_position_in_exactly_one_place():
     full = run_full(model, prompts, 50)
     full_caches = [layer.attention.kv_cache for layer in model.layers]
     config = SpeCacheConfig(topk=256, pair_dtype=torch.float32, **SMALL)
-    result = run_specache(model, prompts, 50, config)
+    cache = SpeCache(model, len(prompts), ROOMY, config)
+    result = generate(model, cache, prompts, 50, temperature=0)
     assert result.tokens == full.tokens
-    state = specache.specache_layers(model)[0].state
+    state = cache.state
     g, r = config.group, config.residual
     for b, prompt in enumerate(prompts):
         stored = len(prompt) + result.decode_steps  # the last generated token has not run yet
         lq, window = state.host_quantized_len[b], state.host_window_len[b]
         assert lq % g == 0 and r <= window < r + g and lq + window == stored
         assert int(state.quantized_len[b]) == lq and int(state.window_len[b]) == window
-        for full_cache, cache in zip(full_caches, specache.specache_layers(model)):
+        for full_cache, layer in zip(full_caches, cache.layers):
             full_k = full_cache.k_cache[b, :, :stored]
             full_v = full_cache.v_cache[b, :, :stored]
-            torch.testing.assert_close(cache.slow.k[b, :, :lq], full_k[:, :lq], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(cache.slow.v[b, :, :lq], full_v[:, :lq], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(cache.window_k[b, :, :window], full_k[:, lq:], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(cache.window_v[b, :, :window], full_v[:, lq:], atol=1e-5, rtol=1e-5)
-            packed, scale, zero = quantize_keys(cache.slow.k[b, :, :lq], config.bits, g, cache.k_scale.dtype,
+            torch.testing.assert_close(layer.tier.k[b, :, :lq], full_k[:, :lq], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(layer.tier.v[b, :, :lq], full_v[:, :lq], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(layer.window_k[b, :, :window], full_k[:, lq:], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(layer.window_v[b, :, :window], full_v[:, lq:], atol=1e-5, rtol=1e-5)
+            packed, scale, zero = quantize_keys(layer.tier.k[b, :, :lq], config.bits, g, layer.k_scale.dtype,
                                                 config.levels)
-            assert torch.equal(cache.k_packed[b, :, :lq], packed)
-            assert torch.equal(cache.k_scale[b, :, : lq // g], scale)
-            packed, scale, zero = quantize_values(cache.slow.v[b, :, :lq], config.bits, g, cache.v_scale.dtype,
+            assert torch.equal(layer.k_packed[b, :, :lq], packed)
+            assert torch.equal(layer.k_scale[b, :, : lq // g], scale)
+            packed, scale, zero = quantize_values(layer.tier.v[b, :, :lq], config.bits, g, layer.v_scale.dtype,
                                                   config.levels)
-            assert torch.equal(cache.v_packed[b, :, :lq], packed) and torch.equal(cache.v_zero[b, :, :lq], zero)
+            assert torch.equal(layer.v_packed[b, :, :lq], packed) and torch.equal(layer.v_zero[b, :, :lq], zero)
 
 
 @pytest.mark.parametrize("how", ["mean", "max"])
@@ -179,7 +191,7 @@ def test_gqa_top_k_ranks_by_the_groups_query_heads(how):
     torch.manual_seed(0)
     b, n_kv, group_size, t, d, k = 2, 3, 3, 128, 64, 10
     keys, values = torch.randn(b, n_kv, t, d) * torch.linspace(0.2, 3, d), torch.randn(b, n_kv, t, d)
-    kv = specache.LowBitKV(*quantize_keys(keys, 1, 32, torch.float16), *quantize_values(values, 1, 32, torch.float16),
+    kv = LowBitKV(*quantize_keys(keys, 1, 32, torch.float16), *quantize_values(values, 1, 32, torch.float16),
                            1, 32)
     window_k, new_k = torch.randn(b, n_kv, 48, d), torch.randn(b, n_kv, 2, d)
     segments = specache.Segments(torch.tensor([80, 96]), torch.zeros(b, n_kv, k, d), torch.zeros(b, n_kv, k, d),
@@ -215,37 +227,39 @@ def test_short_sequences_mark_missing_positions_invalid():
 
 
 def test_fast_tier_at_4k_holds_only_the_low_bit_copy_the_window_and_k_pairs():
-    """Memory truth: at 4k context no 16-bit K/V beyond R + g + k rows per layer and KV head stays
-    in the fast tier, and its bytes match SPECACHE.md's formula with our window of R + g."""
+    """Memory truth: at 4k context no 16-bit K/V beyond R + g + sinks + k rows per layer and KV head
+    stays in the fast tier, and its bytes match the formula (b + 32/g)/16 + (R + g + sinks + k)/L
+    with our window of R + g."""
     config = ModelArgs.from_name("SmolLM2-135M")
     config.n_layer = 2
     torch.manual_seed(0)
     model = Transformer(config).eval()
-    state = setup_specache(model, 1, 4096, SpeCacheConfig())
+    cache = SpeCache(model, 1, 4096, SpeCacheConfig())
     prompt = torch.randint(0, config.vocab_size, (4000,)).tolist()
-    specache_generate(model, state, [prompt], 2, temperature=0)
-    c, s = state.config, state.capacity
+    generate(model, cache, [prompt], 2, temperature=0)
+    c, s = cache.config, cache.state.capacity
+    quantizable = s - c.residual  # the newest R positions are never quantized
     assert s == 4096
     assert not any(isinstance(m, KVCache) for m in model.modules())
     head_dim, n_kv = config.head_dim, config.n_local_heads
     for layer in model.layers:
-        cache = layer.attention.kv_cache
-        assert isinstance(cache, SpeCacheLayer)
-        pairs = {name: t for name, t in cache.named_buffers() if t.is_floating_point() and t.shape[-1] == head_dim
-                 and name not in ("k_scale", "k_zero")}
+        layer_cache = layer.attention.kv_cache
+        assert isinstance(layer_cache, SpeCacheLayer)
+        pairs = {name: t for name, t in layer_cache.named_buffers()
+                 if t.is_floating_point() and t.shape[-1] == head_dim and name not in ("k_scale", "k_zero")}
         assert {name: tuple(t.shape) for name, t in pairs.items()} == {
             "window_k": (1, n_kv, c.residual + c.group, head_dim), "window_v": (1, n_kv, c.residual + c.group, head_dim),
             "fetched_k": (1, n_kv, c.sinks + c.topk, head_dim), "fetched_v": (1, n_kv, c.sinks + c.topk, head_dim)}
         assert all(t.dtype == torch.float16 for t in pairs.values())
-        assert cache.k_packed.dtype == cache.v_packed.dtype == torch.uint8
-        assert cache.k_packed.shape == (1, n_kv, s, head_dim * c.bits // 8)
-        slow = {id(cache.slow.k), id(cache.slow.v)}
-        assert not slow & {id(t) for t in cache.buffers()}, "the slow tier must not be a fast-tier buffer"
-        assert cache.slow.k.shape == (1, n_kv, s, head_dim) and cache.slow.k.dtype == torch.float16
+        assert layer_cache.k_packed.dtype == layer_cache.v_packed.dtype == torch.uint8
+        assert layer_cache.k_packed.shape == (1, n_kv, quantizable, head_dim * c.bits // 8)
+        slow = {id(layer_cache.tier.k), id(layer_cache.tier.v)}
+        assert not slow & {id(t) for t in layer_cache.buffers()}, "the slow tier must not be a fast-tier buffer"
+        assert layer_cache.tier.k.shape == (1, n_kv, s, head_dim) and layer_cache.tier.k.dtype == torch.float16
     # counted from the layout, per layer and KV head: codes, fp16 scales and zeros, 16-bit pairs,
     # and each exact slot's position (8 bytes) and flag (1), the prefetch's chosen positions too
-    codes = 2 * s * head_dim * c.bits // 8
-    scales = 2 * 2 * (s // c.group * head_dim + s * head_dim // min(c.group, head_dim))
+    codes = 2 * quantizable * head_dim * c.bits // 8
+    scales = 2 * 2 * (quantizable // c.group * head_dim + quantizable * head_dim // min(c.group, head_dim))
     pairs = 2 * 2 * head_dim * (c.residual + c.group + c.sinks + c.topk)
     k_spec = c.topk - int(c.topk * c.real_share + 0.5)
     bookkeeping = 9 * (c.sinks + c.topk) + 9 * k_spec
@@ -255,8 +269,20 @@ def test_fast_tier_at_4k_holds_only_the_low_bit_copy_the_window_and_k_pairs():
     sixteen_bit_cache = 2 * 2 * config.n_layer * n_kv * head_dim * s
     formula = (c.bits + 32 / c.group) / 16 + (c.residual + c.group + c.sinks + c.topk) / s
     assert abs(counted / sixteen_bit_cache / formula - 1) < 0.03
-    stats = specache.cache_stats(model, state, None, 1)
-    assert stats["fast_tier_ratio_to_16bit_cache"] == pytest.approx(counted / sixteen_bit_cache)
+    assert cache.stats(1)["fast_tier_ratio_to_16bit_cache"] == pytest.approx(counted / sixteen_bit_cache)
+
+
+@pytest.mark.parametrize("new_tokens", [8, 100, 200])
+def test_a_short_context_never_holds_more_than_a_16_bit_cache(new_tokens):
+    """A 5-token prompt: nothing is ever quantized within R + g positions, so the fast tier is the
+    window alone, the size of a 16-bit cache; at 105 positions it is below."""
+    config = ModelArgs.from_name("SmolLM2-135M")
+    config.n_layer = 2
+    model = Transformer(config).eval()
+    cache = SpeCache(model, 1, 5 + new_tokens, SpeCacheConfig())
+    result = generate(model, cache, [[1, 2, 3, 4, 5]], new_tokens, temperature=0)
+    ratio = result.stats["fast_tier_ratio_to_16bit_cache"]
+    assert ratio <= 1.0 and (new_tokens > 8 or ratio == 1.0)
 
 
 def test_batch_of_three_prompts_equals_each_alone():
@@ -297,7 +323,7 @@ def test_a_failing_fetch_raises_instead_of_being_lost(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("injected fetch failure")
 
-    monkeypatch.setattr(specache, "gather_pairs", broken)
+    monkeypatch.setattr(offload, "gather_pairs", broken)
     with pytest.raises(RuntimeError, match="injected fetch failure"):
         run_specache(model, prompts_of(60), 10, SpeCacheConfig(topk=8, **SMALL))
 
@@ -335,7 +361,7 @@ def test_hybrid_models_offload_only_their_full_attention_layers():
 def test_models_with_only_sliding_window_layers_are_refused():
     model = tiny_model(sliding_window=16)
     with pytest.raises(ValueError, match="nothing to offload"):
-        setup_specache(model, 1, 64, SpeCacheConfig(**SMALL))
+        SpeCache(model, 1, 64, SpeCacheConfig(**SMALL))
 
 
 def slow_prompt_lookup(history, logits, max_ngram=3):
@@ -359,20 +385,20 @@ def test_prompt_lookup_guesses_the_token_after_the_latest_earlier_match():
     for b, h in enumerate(histories):
         history[b, : len(h)] = torch.tensor(h)
     logits = torch.randn(len(histories), 12, generator=g)
-    guess = specache.prompt_lookup_guess(logits, history, torch.tensor([len(h) for h in histories]))
+    guess = selection.prompt_lookup_guess(logits, history, torch.tensor([len(h) for h in histories]))
     assert guess[:, 0].tolist() == [slow_prompt_lookup(h, logits[b]) for b, h in enumerate(histories)]
     assert guess[5, 0] == 7 and guess[6, 0] == 4 and guess[7, 0] == 1  # the latest trigram, a run, a unigram
 
 
 @pytest.mark.parametrize("select, fields", [
-    ("paper", specache.PAPER),
-    ("split,gqa-max", dict(specache.PAPER, real_share=0.5, gqa="max")),
-    ("split=0.25, sinks=8, correct=0.8", dict(specache.PAPER, real_share=0.25, sinks=8, correct_below=0.8)),
-    ("default,correct", dict(specache.parse_select("default"), correct_below=0.9)),
+    ("paper", selection.PAPER),
+    ("split,gqa-max", dict(selection.PAPER, real_share=0.5, gqa="max")),
+    ("split=0.25, sinks=8, correct=0.8", dict(selection.PAPER, real_share=0.25, sinks=8, correct_below=0.8)),
+    ("default,correct", dict(selection.parse_select("default"), correct_below=0.9)),
 ])
 def test_selections_parse_into_config_fields_and_name_themselves(select, fields):
     config = SpeCacheConfig().with_select(select)
-    assert {name: getattr(config, name) for name in specache.PAPER} == fields
+    assert {name: getattr(config, name) for name in selection.PAPER} == fields
     assert SpeCacheConfig().with_select(config.select_name()) == config
 
 

@@ -6,10 +6,11 @@ full cache's (the full cache answers in 24 tokens and stops).
 """
 import pytest
 
-import specache
+import selection
 from generate import generate
 from scripts.haystack import answered, needle_prompt
-from specache import SpeCacheConfig, setup_specache, specache_generate
+from caches import FullCache
+from specache import SpeCache, SpeCacheConfig
 from tokenizer import get_tokenizer
 
 NEW_TOKENS = 32
@@ -30,20 +31,27 @@ def runs(smollm2_model, smollm2_checkpoint):
     stop_ids = frozenset(tokenizer.stop_ids)
     prompt = needle_prompt(tokenizer, 2000, 10)
     model = smollm2_model
-    model.setup_caches(1, len(prompt) + NEW_TOKENS)
-    results = {"full": generate(model, [prompt], NEW_TOKENS, temperature=0, stop_ids=stop_ids)}
+    results = {"full": generate(model, FullCache(model, 1, len(prompt) + NEW_TOKENS), [prompt], NEW_TOKENS,
+                                temperature=0, stop_ids=stop_ids)}
     guesses = []
 
     def recorded_guess(logits, history, lengths):
-        guesses.append(int(specache.prompt_lookup_guess(logits, history, lengths)))
+        guesses.append(int(selection.prompt_lookup_guess(logits, history, lengths)))
         return logits.new_tensor([[guesses[-1]]]).long()
 
     for name, config in METHODS.items():
-        state = setup_specache(model, 1, len(prompt) + NEW_TOKENS, config)
-        results[name] = specache_generate(model, state, [prompt], NEW_TOKENS, temperature=0, stop_ids=stop_ids,
-                                          guess_next=recorded_guess if name == "specache-1bit" else None)
+        # fetching everything takes a roomy capacity: a slot for every position (specache_stats.fast_tier_plan)
+        capacity = (2 if name == "fetch-everything" else 1) * (len(prompt) + NEW_TOKENS)
+        cache = SpeCache(model, 1, capacity, config)
+        if name == "specache-1bit":
+            cache.guess_next = recorded_guess
+        seen = []  # every token the loop sampled, past a stop too (stops are looked for every few steps)
+        results[name] = generate(model, cache, [prompt], NEW_TOKENS, temperature=0, stop_ids=stop_ids,
+                                 callback=lambda tokens: seen.append(int(tokens[0, 0])))
+        if name == "specache-1bit":
+            sampled = seen
     text = {name: tokenizer.decode(r.tokens[0]) for name, r in results.items()}
-    return results, text, guesses
+    return results, text, (guesses, sampled)
 
 
 def mismatches(result, reference):
@@ -76,8 +84,7 @@ def test_kivi_1bit_alone_forgets_the_needle(runs):
 
 def test_the_match_rate_counts_the_guesses_that_came_true(runs):
     """The stat against the guesses recorded as they were made: guess i was for token i + 1."""
-    results, _, guesses = runs
-    tokens = results["specache-1bit"].tokens[0]
+    results, _, (guesses, tokens) = runs
     steps = results["specache-1bit"].decode_steps
     right = sum(guess == token for guess, token in zip(guesses[:steps], tokens[1: steps + 1]))
     assert results["specache-1bit"].stats["speculative_match_rate"] == right / steps

@@ -1,0 +1,91 @@
+"""The project's modules form layers: a module imports only modules of lower layers (or its own,
+without a cycle), wherever the import statement sits, inside functions and `if TYPE_CHECKING:`
+blocks included. `python tests/test_layers.py` prints the import graph, layer by layer."""
+import ast
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# lowest first; scripts/ sit above everything and are never imported by the core
+LAYERS = [
+    ["kernels.quant"],
+    ["kernels.lowbit_cpu", "kernels.lowbit_triton"],
+    ["kernels.attention"],
+    ["config", "tokenizer"],
+    ["model"],
+    ["quantize", "convert"],
+    ["offload", "selection", "specache_stats"],
+    ["specache", "eviction"],
+    ["caches"],
+    ["checkpoint"],
+    ["generate"],
+]
+
+
+def project_modules() -> dict[str, Path]:
+    files = [*REPO_ROOT.glob("*.py"), *REPO_ROOT.glob("kernels/*.py"), *REPO_ROOT.glob("scripts/*.py")]
+    return {".".join(f.relative_to(REPO_ROOT).with_suffix("").parts): f for f in files
+            if f.name != "__init__.py"}
+
+
+def imports(path: Path, modules: set[str]) -> set[str]:
+    """The project modules `path` imports, from any statement anywhere in it."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found |= {name for name in names if name in modules}
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    return {name: imports(path, set(modules)) - {name} for name, path in modules.items()}
+
+
+def layer_of(module: str) -> int:
+    if module.startswith("scripts."):
+        return len(LAYERS)
+    return next(i for i, layer in enumerate(LAYERS) if module in layer)
+
+
+def test_every_module_has_a_layer():
+    unplaced = [m for m in graph() if not m.startswith("scripts.") and not any(m in layer for layer in LAYERS)]
+    assert not unplaced, f"put these modules in a layer of LAYERS: {unplaced}"
+
+
+def test_no_module_imports_one_above_it():
+    upward = [(a, b) for a, targets in graph().items() for b in targets if layer_of(b) > layer_of(a)]
+    assert not upward, f"imports of a higher layer (module -> what it imports): {upward}"
+
+
+def test_there_are_no_import_cycles():
+    edges = graph()
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for target in sorted(edges[module]):
+            if state.get(target) == "open":
+                raise AssertionError(f"import cycle: {' -> '.join(path[path.index(target):] + [target])}")
+            if target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [module])
+
+
+if __name__ == "__main__":
+    edges = graph()
+    for i, layer in enumerate(LAYERS + [sorted(m for m in edges if m.startswith("scripts."))]):
+        print(f"layer {i}:")
+        for module in layer:
+            print(f"  {module} -> {', '.join(sorted(edges.get(module, ()))) or '-'}")
+    sys.exit(0)
