@@ -33,7 +33,7 @@ VARIANTS = {
     "reuse": ("reuse", True, None),
     "oracle": ("oracle", "error", str),
 }
-DEFAULT_SELECT = "split,gqa-max,sinks,lloyd,lookup,reuse"
+DEFAULT_SELECT = "split,gqa-max,correct,sinks,lloyd,lookup,reuse"
 
 
 def parse_select(select: str) -> dict:

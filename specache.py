@@ -65,7 +65,7 @@ class SpeCacheConfig:
     # How kappa is chosen (see the module docstring; PAPER is the paper's rule)
     real_share: float = 0.5  # split: the share of the k pairs that the real row chooses within the step
     gqa: str = "max"  # how a KV head ranks positions over its query heads: "mean" or "max"
-    correct_below: Optional[float] = None  # correct: discard a KV head's prefetch below this query cosine
+    correct_below: Optional[float] = 0.9  # correct: discard a KV head's prefetch below this query cosine (None: never)
     sinks: int = 4  # the first positions, always exact
     levels: str = "lloyd"  # 1-bit levels: "minmax" (the paper's) or "lloyd"
     guess: str = "lookup"  # the speculative token: "greedy" (the paper's) or "lookup"

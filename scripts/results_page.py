@@ -16,6 +16,27 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
+SELECTION = [
+    ("selection/needle", "SmolLM2-135M: needle, 1k-4k x 5 depths", "scripts/needle.py --stats --methods ...",
+     "Every selection rule alone at 1 bit, the paper's rule and ours at 1 and 2 bits, the non-speculative "
+     "baseline, KIVI, and the two oracles (diagnostics: they read the whole slow tier to choose). With --stats: "
+     "the speculative token's hit rate, the 16-bit pairs read from the slow tier per token, the share of the real "
+     "token's exact attention read in 16 bits (coverage) and what the exact top-k would have covered, and the "
+     "fetched pairs' recall against the real token's own low-bit top-k and its exact top-k."),
+    ("selection/coverage/needle", "SmolLM2-135M: coverage by layer", "scripts/needle.py --plot_coverage ...",
+     "One needle prompt (2k, depth 50%), the paper's rule against ours: per layer, the real token's exact "
+     "attention read in 16 bits (solid) and what the exact top-k would read (dashed)."),
+    ("selection/ruler", "SmolLM2-135M: RULER at 2k and 4k", "scripts/ruler.py --samples 2 --methods ...",
+     "Each rule alone at 1 bit, the paper's rule and ours at 1 and 2 bits, two samples per task."),
+    ("selection/bench/bench", "SmolLM2-135M: decode speed of the selections", "scripts/bench.py --methods ...",
+     "The paper's rule against ours, one run, compiled; 'fetched kB/token' is what the slow tier gives per token, "
+     "'prefetch discarded' the share of KV heads whose prefetch the correction discarded."),
+    ("gemma3/selection/needle", "Gemma-3-270M: needle at 8k-32k", "scripts/needle.py --checkpoint ... --methods ...",
+     "The full cache, the paper's rule at 1 bit, ours at 1 and 2 bits; completion prompts."),
+    ("gemma3/selection/ruler", "Gemma-3-270M: RULER at 8k and 16k", "scripts/ruler.py --checkpoint ... --quick",
+     "The same methods, one sample per task."),
+]
+# Measured before the default selection changed: their `specache-Nbit` rows are the paper's rule.
 SECTIONS = [
     ("needle", "Needle in a haystack", "scripts/needle.py",
      "Kamradt's protocol on the Paul Graham essays: context length x needle depth, one needle per cell, greedy. "
@@ -69,19 +90,29 @@ def page() -> str:
              "end, Gemma-3-270M (8k-32k). Every table below was written by the "
              "command above it; `python scripts/results_page.py` rebuilds this page from those reports "
              f"(last built with torch {torch.__version__}, Python {platform.python_version()}).\n",
-             "Methods: `full` is the 16-bit cache; `specache-Nbit` is SpeCache (k = 64 fetched pairs, g = 64, "
-             "R = 64); `kivi-Nbit` is the same low-bit copy and window with nothing fetched; `streaming` "
+             "Methods: `full` is the 16-bit cache; `specache-Nbit` is SpeCache (k = 64 exact pairs, g = 64, "
+             "R = 64) with our selection, `specache-Nbit:paper` with the paper's; `kivi-Nbit` is the same low-bit copy and window with nothing fetched; `streaming` "
              "(StreamingLLM) and `h2o` keep as many 16-bit tokens as fit in SpeCache 1-bit's fast-tier bytes. "
              "'fast tier (x 16-bit)' is the fast-tier KV bytes over a 16-bit cache of the same length.\n"]
-    for name, title, script, blurb in SECTIONS:
-        report = RESULTS / f"{name}.md"
-        parts.append(f"## {title}\n\n{blurb}\n")
-        if report.is_file():
-            folder = "results/" + (name.rsplit("/", 1)[0] + "/" if "/" in name else "")
-            parts.append(report.read_text(encoding="utf-8").replace("](", f"]({folder}") + "\n")
-        else:
-            parts.append(f"Not measured on this machine yet: run `python {script}`.\n")
+    parts.append("## Selection\n\nHow SpeCache chooses the 16-bit pairs it reads exactly: the paper's rule "
+                 "(`specache-Nbit:paper`) against ours (`specache-Nbit`, the default) and each change alone, at the "
+                 "same fast-tier bytes (docs/method.md explains them). One run per table.\n")
+    parts += [section(*entry, level=3) for entry in SELECTION]
+    parts.append("## Before the selection changed\n\nThe sections below were measured before the default "
+                 "selection changed: their `specache-1bit` and `specache-2bit` rows are the paper's rule, what "
+                 "`specache-1bit:paper` names now. The other methods are unchanged.\n")
+    parts += [section(*entry, level=3) for entry in SECTIONS]
     return "\n".join(parts)
+
+
+def section(name: str, title: str, script: str, blurb: str, level: int) -> str:
+    """A report under its heading, its images' links made relative to the page."""
+    report = RESULTS / f"{name}.md"
+    text = f"{'#' * level} {title}\n\n{blurb}\n\n"
+    if not report.is_file():
+        return text + f"Not measured on this machine yet: run `python {script}`.\n"
+    folder = "results/" + (name.rsplit("/", 1)[0] + "/" if "/" in name else "")
+    return text + report.read_text(encoding="utf-8").replace("](", f"]({folder}") + "\n"
 
 
 def main() -> None:

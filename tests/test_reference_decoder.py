@@ -26,14 +26,14 @@ NEW_TOKENS = 32
 #   cases need it above TINY_MIN_GAP, 10x above how far the two decoders' probabilities differ.
 #   Two equal tokens side by side get the same 1-bit key codes, hence exactly tied scores: prompts
 #   here never repeat a token within 32 positions, but the random model's own output repeats. With
-#   the lengths below, seeds 0-8 had a tie closer than that in some case (ties broken the other way
-#   moved logits by up to 5); seed 9's closest call is 1.4e-5.
+#   the lengths below, seeds 0-13 had a tie closer than that in some case (ties broken the other way
+#   moved logits by up to 5); seed 14's closest call is 1.6e-5.
 # - with fp32 pairs, a Lloyd level within 1e-7 of an fp16 rounding midpoint, where the order of the
 #   fp32 mean decides which way it rounds: one fp16 step of one group's level, seen in
-#   default-1bit-fp32pairs with seeds 0 and 4 (1.1e-3 and 6e-4). Seed 9 has none.
+#   default-1bit-fp32pairs with seeds 0 and 4 (1.1e-3 and 6e-4). Seed 14 has none.
 TINY_ATOL = 1e-3
 TINY_MIN_GAP = 1e-5
-TINY_SEED = 9
+TINY_SEED = 14
 # ragged; 31 steps cross two window flushes (g = R = 16) in each; 47 leaves 31 = R + g - 1 in the
 # window, so the bootstrap's prefetch may take window positions, which count only once quantized
 TINY_LENGTHS = (70, 47, 130)

@@ -246,7 +246,7 @@ def test_fast_tier_at_4k_holds_only_the_low_bit_copy_the_window_and_k_pairs():
         layer_cache = layer.attention.kv_cache
         assert isinstance(layer_cache, SpeCacheLayer)
         pairs = {name: t for name, t in layer_cache.named_buffers()
-                 if t.is_floating_point() and t.shape[-1] == head_dim and name not in ("k_scale", "k_zero")}
+                 if t.is_floating_point() and t.shape[-1] == head_dim and name not in ("k_scale", "k_zero", "last_query")}
         assert {name: tuple(t.shape) for name, t in pairs.items()} == {
             "window_k": (1, n_kv, c.residual + c.group, head_dim), "window_v": (1, n_kv, c.residual + c.group, head_dim),
             "fetched_k": (1, n_kv, c.sinks + c.topk, head_dim), "fetched_v": (1, n_kv, c.sinks + c.topk, head_dim)}
@@ -264,6 +264,7 @@ def test_fast_tier_at_4k_holds_only_the_low_bit_copy_the_window_and_k_pairs():
     k_spec = c.topk - int(c.topk * c.real_share + 0.5)
     bookkeeping = 9 * (c.sinks + c.topk) + 9 * k_spec
     counted = config.n_layer * n_kv * (codes + scales + pairs + bookkeeping)
+    counted += config.n_layer * config.n_head * head_dim * 4  # correct: the last row's fp32 queries
     measured = sum(layer.attention.kv_cache.fast_tier_bytes() for layer in model.layers)
     assert measured == counted
     sixteen_bit_cache = 2 * 2 * config.n_layer * n_kv * head_dim * s
