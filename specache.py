@@ -55,6 +55,7 @@ from specache_stats import DIAGNOSTICS, cache_stats, diagnose, exact_real_row_pr
 
 # --- configuration ---------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class SpeCacheConfig:
     bits: int = 1  # low-bit copy: 1 or 2 bits per element
@@ -157,10 +158,14 @@ class SpeCacheState:
 
 
 # --- selection ---------------------------------------------------------------------------------
-
+# Which positions a step reads in 16 bits. selection.py holds the rules and their names (the
+# paper's, ours, each change alone); the layer below applies them: `exact_slots` (which fetched
+# pairs count), `pick_within_step` (the real row's own choice, and the correction), `choose_prefetch`
+# (the speculative row's choice for the next step); kernels/attention.py ranks positions.
 
 
 # --- one layer ---------------------------------------------------------------------------------
+
 
 class Pass(NamedTuple):
     """What a SpeCache pass is, handed to each layer as the attention's mask argument: the bootstrap
@@ -410,34 +415,8 @@ class SpeCacheLayer(nn.Module):
 
 
 
-# --- sliding-window layers -----------------------------------------------------------------------
-
-class SpeCacheWindow(RingKVCache):
-    """A sliding-window layer under SpeCache (Gemma-3: five of every six layers see only the newest
-    positions): its ring of 16-bit pairs, all in the fast tier. It never looks further back, so
-    there is nothing to offload; it follows SpeCache's passes: every row attends over the ring,
-    only the real row's pair is kept."""
-
-    def __init__(self, state: SpeCacheState, window: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device):
-        super().__init__(state.quantized_len.shape[0], window, n_kv_heads, head_dim, dtype, device)
-        self.state = state
-
-    def ingest_prompt(self, k: Tensor, v: Tensor, lengths: Optional[Tensor] = None) -> None:
-        if lengths is None:
-            lengths = self.state.quantized_len + self.state.window_len
-        super().ingest_prompt(k, v, lengths)
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask) -> Tensor:
-        if isinstance(mask, CausalPrompt):
-            return super().forward(q, k, v, input_pos, mask)
-        y = self.attend(q, k, v, input_pos)
-        if mask.keep:  # the real row only; the speculative row's pair is dropped
-            self.write(k[:, :, :1], v[:, :, :1], input_pos[:, :1])
-        return y
-
-
 # --- the two-row step and the bootstrap: SpeCache as the generation loop drives it -------------
+
 
 class SpeCache:
     """SpeCache in every full-attention layer of `model` (a ring in each sliding-window layer), for
@@ -563,3 +542,29 @@ class SpeCache:
             state.sync()
 
 
+# --- sliding-window layers -----------------------------------------------------------------------
+
+
+class SpeCacheWindow(RingKVCache):
+    """A sliding-window layer under SpeCache (Gemma-3: five of every six layers see only the newest
+    positions): its ring of 16-bit pairs, all in the fast tier. It never looks further back, so
+    there is nothing to offload; it follows SpeCache's passes: every row attends over the ring,
+    only the real row's pair is kept."""
+
+    def __init__(self, state: SpeCacheState, window: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__(state.quantized_len.shape[0], window, n_kv_heads, head_dim, dtype, device)
+        self.state = state
+
+    def ingest_prompt(self, k: Tensor, v: Tensor, lengths: Optional[Tensor] = None) -> None:
+        if lengths is None:
+            lengths = self.state.quantized_len + self.state.window_len
+        super().ingest_prompt(k, v, lengths)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask) -> Tensor:
+        if isinstance(mask, CausalPrompt):
+            return super().forward(q, k, v, input_pos, mask)
+        y = self.attend(q, k, v, input_pos)
+        if mask.keep:  # the real row only; the speculative row's pair is dropped
+            self.write(k[:, :, :1], v[:, :, :1], input_pos[:, :1])
+        return y

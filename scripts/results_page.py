@@ -7,6 +7,7 @@ Each report (`{name}.md`) starts with the command that produced it; needle.py, r
 longbench.py, bench.py and long_run.py write them (scripts/harness.py: write_report).
 """
 import argparse
+import json
 import platform
 import subprocess
 import sys
@@ -32,7 +33,7 @@ SELECTION = [
      "The paper's rule against ours, one run, compiled; 'fetched kB/token' is what the slow tier gives per token, "
      "'prefetch discarded' the share of KV heads whose prefetch the correction discarded."),
     ("gemma3/selection/needle", "Gemma-3-270M: needle at 8k-32k", "scripts/needle.py --checkpoint ... --methods ...",
-     "The full cache, the paper's rule at 1 bit, ours at 1 and 2 bits; completion prompts."),
+     "The full cache, the paper's rule and ours at 1 and 2 bits; completion prompts."),
     ("gemma3/selection/ruler", "Gemma-3-270M: RULER at 8k and 16k", "scripts/ruler.py --checkpoint ... --quick",
      "The same methods, one sample per task."),
 ]
@@ -97,12 +98,46 @@ def page() -> str:
     parts.append("## Selection\n\nHow SpeCache chooses the 16-bit pairs it reads exactly: the paper's rule "
                  "(`specache-Nbit:paper`) against ours (`specache-Nbit`, the default) and each change alone, at the "
                  "same fast-tier bytes (docs/method.md explains them). One run per table.\n")
+    parts.append(ablation())
     parts += [section(*entry, level=3) for entry in SELECTION]
     parts.append("## Before the selection changed\n\nThe sections below were measured before the default "
                  "selection changed: their `specache-1bit` and `specache-2bit` rows are the paper's rule, what "
                  "`specache-1bit:paper` names now. The other methods are unchanged.\n")
     parts += [section(*entry, level=3) for entry in SECTIONS]
     return "\n".join(parts)
+
+
+def ablation() -> str:
+    """One row per selection: needles found, RULER averages and bytes, from the JSON beside the reports."""
+    needle_file, ruler_file = RESULTS / "selection" / "needle.json", RESULTS / "selection" / "ruler.json"
+    if not (needle_file.is_file() and ruler_file.is_file()):
+        return ""
+    needle, ruler = json.loads(needle_file.read_text()), json.loads(ruler_file.read_text())
+    methods = list(dict.fromkeys(row["method"] for row in needle["rows"]))
+    methods += [m for m in next(iter(ruler["scores"].values())) if m not in methods]
+    lengths = list(ruler["scores"])
+    header = ("| method | needle found | " + " | ".join(f"RULER {int(n) // 1024}k" for n in lengths)
+              + " | fast tier (x 16-bit) | 16-bit kB read per token |")
+    lines = ["### At a glance\n",
+             "From the needle sweep and RULER below (same runs): needles found of "
+             f"{len({(r['length'], r['depth']) for r in needle['rows']})}, RULER averages, and, over the needle "
+             "prompts, the fast tier's bytes over a 16-bit cache's and the 16-bit pairs read from the slow tier "
+             "per token (means).\n", header, "|" + "---|" * (header.count("|") - 1)]
+    for method in methods:
+        rows = [r for r in needle["rows"] if r["method"] == method]
+        found = f"{sum(r['found'] for r in rows)}/{len(rows)}" if rows else "-"
+        rulers = [f"{ruler['scores'][n][method]['average']:.1f}" if method in ruler["scores"][n] else "-"
+                  for n in lengths]
+        stats = [r["stats"] for r in rows if r["stats"]]
+        ratio = f"{mean(s['fast_tier_ratio_to_16bit_cache'] for s in stats):.3f}" if stats else "1"
+        fetched = f"{mean(s['bytes_fetched_per_token'] for s in stats) / 1e3:.0f}" if stats else "-"
+        lines.append(f"| {method} | {found} | " + " | ".join(rulers) + f" | {ratio} | {fetched} |")
+    return "\n".join(lines) + "\n"
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
 
 
 def section(name: str, title: str, script: str, blurb: str, level: int) -> str:

@@ -5,6 +5,7 @@ import torch
 import selection
 import specache
 from conftest import tiny_model
+from reference_decoder import lookup_guess
 from generate import compile_decode, generate
 import kernels.attention
 import offload
@@ -365,18 +366,6 @@ def test_models_with_only_sliding_window_layers_are_refused():
         SpeCache(model, 1, 64, SpeCacheConfig(**SMALL))
 
 
-def slow_prompt_lookup(history, logits, max_ngram=3):
-    """prompt_lookup_guess for one sequence, in plain Python."""
-    for n in range(max_ngram, 0, -1):
-        if len(history) <= n:
-            continue
-        tail = history[-n:]
-        for start in range(len(history) - n - 1, -1, -1):
-            if history[start: start + n] == tail:
-                return history[start + n]
-    return int(logits.argmax())
-
-
 def test_prompt_lookup_guesses_the_token_after_the_latest_earlier_match():
     g = torch.Generator().manual_seed(0)
     histories = [torch.randint(0, 6, (n,), generator=g).tolist() for n in (1, 2, 9, 40, 41)]
@@ -387,7 +376,7 @@ def test_prompt_lookup_guesses_the_token_after_the_latest_earlier_match():
         history[b, : len(h)] = torch.tensor(h)
     logits = torch.randn(len(histories), 12, generator=g)
     guess = selection.prompt_lookup_guess(logits, history, torch.tensor([len(h) for h in histories]))
-    assert guess[:, 0].tolist() == [slow_prompt_lookup(h, logits[b]) for b, h in enumerate(histories)]
+    assert guess[:, 0].tolist() == [lookup_guess(h, logits[b]) for b, h in enumerate(histories)]  # plain Python
     assert guess[5, 0] == 7 and guess[6, 0] == 4 and guess[7, 0] == 1  # the latest trigram, a run, a unigram
 
 
