@@ -25,7 +25,7 @@ SELECTION = [
      "token's exact attention read in 16 bits (coverage) and what the exact top-k would have covered, and the "
      "fetched pairs' recall against the real token's own low-bit top-k and its exact top-k."),
     ("selection/coverage/needle", "SmolLM2-135M: coverage by layer", "scripts/needle.py --plot_coverage ...",
-     "One needle prompt (2k, depth 50%), the paper's rule against ours: per layer, the real token's exact "
+     "One needle prompt (2k, depth 25%), the paper's rule against ours: per layer, the real token's exact "
      "attention read in 16 bits (solid) and what the exact top-k would read (dashed)."),
     ("selection/ruler", "SmolLM2-135M: RULER at 2k and 4k", "scripts/ruler.py --samples 2 --methods ...",
      "Each rule alone at 1 bit, the paper's rule and ours at 1 and 2 bits, two samples per task."),
