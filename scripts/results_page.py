@@ -33,7 +33,7 @@ SELECTION = [
      "The paper's rule against ours, one run, compiled; 'fetched kB/token' is what the slow tier gives per token, "
      "'prefetch discarded' the share of KV heads whose prefetch the correction discarded."),
     ("gemma3/selection/needle", "Gemma-3-270M: needle at 8k-32k", "scripts/needle.py --checkpoint ... --methods ...",
-     "The full cache, the paper's rule and ours at 1 and 2 bits; completion prompts."),
+     "The full cache, the paper's rule at 1 bit, ours at 1 and 2 bits; completion prompts."),
     ("gemma3/selection/ruler", "Gemma-3-270M: RULER at 8k and 16k", "scripts/ruler.py --checkpoint ... --quick",
      "The same methods, one sample per task."),
 ]
@@ -128,7 +128,7 @@ def ablation() -> str:
         found = f"{sum(r['found'] for r in rows)}/{len(rows)}" if rows else "-"
         rulers = [f"{ruler['scores'][n][method]['average']:.1f}" if method in ruler["scores"][n] else "-"
                   for n in lengths]
-        stats = [r["stats"] for r in rows if r["stats"]]
+        stats = [r["stats"] for r in rows if "fast_tier_ratio_to_16bit_cache" in r["stats"]]
         ratio = f"{mean(s['fast_tier_ratio_to_16bit_cache'] for s in stats):.3f}" if stats else "1"
         fetched = f"{mean(s['bytes_fetched_per_token'] for s in stats) / 1e3:.0f}" if stats else "-"
         lines.append(f"| {method} | {found} | " + " | ".join(rulers) + f" | {ratio} | {fetched} |")
