@@ -36,6 +36,12 @@ SELECTION = [
      "The full cache, the paper's rule at 1 bit, ours at 1 and 2 bits; completion prompts."),
     ("gemma3/selection/ruler", "Gemma-3-270M: RULER at 8k and 16k", "scripts/ruler.py --checkpoint ... --quick",
      "The same methods, one sample per task."),
+    ("gemma3/selection/oracle/ruler", "Gemma-3-270M: RULER at 16k, what is left",
+     "scripts/ruler.py --checkpoint ... --lengths 16384 --quick --methods ...",
+     "An exploratory run, made before the one-loop change of the code (which left every token unchanged) and "
+     "written to a scratch folder: our default as it is now (then `default,correct`), the real token choosing "
+     "three quarters of k, the non-speculative baseline with our other changes, and the error oracle (k pairs "
+     "chosen from exact scores; diagnostics only: it reads the whole slow tier)."),
 ]
 # Measured before the default selection changed: their `specache-Nbit` rows are the paper's rule.
 SECTIONS = [
