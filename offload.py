@@ -3,7 +3,8 @@ the moves into the fast tier's slots. specache.py asks a tier to store, read and
 decides how for its device.
 
 - `RamTier` (a CPU): both tiers are the same RAM, so there is nothing to hide. Every move is a
-  gather or a write inside the layer's compiled step. (A worker thread that gathered in the
+  gather or a write inside the layer's compiled step; a prefetch gathers all its pairs, so `reuse`
+  changes only the count of pairs a separate slow tier would have to send (SpeCache's `counts`). (A worker thread that gathered in the
   background made a SmolLM2 step at 1k slower, 50 vs 39 ms: the hand-off cost more than the 50 KB
   gather it hid.)
 - `PinnedTier` (beside a GPU): the slow tier is pinned host memory. Pairs go out on a side stream;
