@@ -83,12 +83,12 @@ class SpeCacheConfig:
         """The selection as --specache_select would name it."""
         return select_name(self)
 
-    def reads_slow_tier_in_step(self) -> bool:
-        """Whether a step reads the slow tier inside the layer (the real row's picks, the
-        diagnostics): on a GPU that is a waited fetch, which splits a compiled graph."""
+    def splits_graph_on(self, device: torch.device) -> bool:
+        """Whether a compiled step must split its graph: on a GPU, a step that reads the slow tier
+        inside the layer (the real row's picks, the diagnostics) waits for a fetch there."""
         picks = self.topk > 0 and (not self.speculative or self.oracle or self.real_share > 0
                                    or self.correct_below is not None)
-        return bool(picks or self.stats)
+        return device.type == "cuda" and bool(picks or self.stats)
 
     def pair_dtype_for(self, model_dtype: torch.dtype) -> torch.dtype:
         return self.pair_dtype or sixteen_bit_dtype(model_dtype)
@@ -451,7 +451,7 @@ class SpeCache:
                       if isinstance(layer.attention.kv_cache, SpeCacheWindow)]
         self.speculative = config.speculative and config.topk > 0
         self.guess_next: Callable[[Tensor, Tensor, Tensor], Tensor] = GUESSES[config.guess]
-        self.graph_breaks = device.type == "cuda" and config.reads_slow_tier_in_step()
+        self.graph_breaks = config.splits_graph_on(device)
 
     def begin(self, tokens: Tensor, lengths: Tensor) -> None:
         """A generation of the prompts `tokens` (B, S, right-padded to `lengths`) starts: every

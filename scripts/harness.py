@@ -89,11 +89,11 @@ class Runner:
         self.stop_ids = frozenset(tokenizer.stop_ids)
         self.compiled = compile
         self.capacity_step = 1024 if compile and round_capacity else 1
-        if compile:  # on a GPU, a step that reads the slow tier inside a layer splits the layer's graph
-            on_gpu = model.tok_embeddings.weight.device.type == "cuda"
+        if compile:  # one compiled layer serves every method: split its graph if any method's step must
+            device = model.tok_embeddings.weight.device
             low_bit = [specache_config(kind, bits, select, topk, stats=stats)
                        for kind, bits, select in self.kinds.values() if kind in LOW_BIT_KINDS]
-            compile_decode(model, fullgraph=not (on_gpu and any(c.reads_slow_tier_in_step() for c in low_bit)))
+            compile_decode(model, fullgraph=not any(c.splits_graph_on(device) for c in low_bit))
 
     def budget(self, capacity: int) -> int:
         return equal_budget_tokens(self.model, capacity, SpeCacheConfig(bits=self.budget_bits, topk=self.topk))
