@@ -20,6 +20,7 @@ from torch import Tensor
 
 from caches import KINDS, make_cache
 from checkpoint import UserError, load_model, load_tokenizer, resolve_checkpoint
+from disk_tier import SlowTierError
 from model import CausalPrompt, Transformer, flex_attention_available
 from quantize import Int4Linear, Int8Linear
 from selection import DEFAULT_SELECT
@@ -151,43 +152,45 @@ def generate(model: Transformer, cache, prompts: list[list[int]], max_new_tokens
     device = model.tok_embeddings.weight.device
     tokens, lengths = pad_prompts(prompts, device)
     sampling = dict(temperature=temperature, top_k=top_k)
-    _sync(device)
-    t0 = time.perf_counter()
-    if first_token is not None:
-        real = first_token
-    else:
-        cache.begin(tokens, lengths)
-        if compile_prefill:
-            real = torch.compile(prefill, fullgraph=True, dynamic=True)(model, tokens, lengths, **sampling)
+    try:  # the cache's finish runs on an error and on Ctrl-C too (it removes a disk tier's files)
+        _sync(device)
+        t0 = time.perf_counter()
+        if first_token is not None:
+            real = first_token
         else:
-            with torch.compiler.set_stance("force_eager"):
-                real = prefill(model, tokens, lengths, **sampling)
-    _sync(device)
-    prefill_seconds = time.perf_counter() - t0
+            cache.begin(tokens, lengths)
+            if compile_prefill:
+                real = torch.compile(prefill, fullgraph=True, dynamic=True)(model, tokens, lengths, **sampling)
+            else:
+                with torch.compiler.set_stance("force_eager"):
+                    real = prefill(model, tokens, lengths, **sampling)
+        _sync(device)
+        prefill_seconds = time.perf_counter() - t0
 
-    pos = lengths.unsqueeze(1).clone()
-    cache.sampled(real)
-    cache.bootstrap(model, real, pos)
-    new_tokens, done = [real], torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    callback(real)
-    stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
-    held = [len(p) for p in prompts]  # tokens each sequence's cache holds
-    per_step_weights = weight_bytes(model)
-    decode_bytes, steps = 0, 0
-    t0 = time.perf_counter()
-    for step in range(max_new_tokens - 1):
-        done |= torch.isin(real[:, 0], stop)
-        if step % STOP_CHECK_EVERY == 0 and bool(done.all()):
-            break
-        real = sample(cache.step(model, real, pos), **sampling)
+        pos = lengths.unsqueeze(1).clone()
         cache.sampled(real)
-        held = [n + 1 for n in held]
-        decode_bytes += per_step_weights + cache.step_bytes(held)
-        pos += 1
-        steps += 1
-        new_tokens.append(real)
+        cache.bootstrap(model, real, pos)
+        new_tokens, done = [real], torch.zeros(len(prompts), dtype=torch.bool, device=device)
         callback(real)
-    cache.finish()
+        stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+        held = [len(p) for p in prompts]  # tokens each sequence's cache holds
+        per_step_weights = weight_bytes(model)
+        decode_bytes, steps = 0, 0
+        t0 = time.perf_counter()
+        for step in range(max_new_tokens - 1):
+            done |= torch.isin(real[:, 0], stop)
+            if step % STOP_CHECK_EVERY == 0 and bool(done.all()):
+                break
+            real = sample(cache.step(model, real, pos), **sampling)
+            cache.sampled(real)
+            held = [n + 1 for n in held]
+            decode_bytes += per_step_weights + cache.step_bytes(held)
+            pos += 1
+            steps += 1
+            new_tokens.append(real)
+            callback(real)
+    finally:
+        cache.finish()
     _sync(device)
     decode_seconds = time.perf_counter() - t0
     return GenerationResult(cut_at_stop(torch.cat(new_tokens, dim=1).tolist(), stop_ids), lengths.tolist(),
@@ -294,6 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also measure, per layer and KV head, recall of the fetched pairs against the real token's "
                         "own low-bit and exact top-k, and the share of its exact attention read in 16 bits "
                         "(extra scoring passes per layer)")
+    g.add_argument("--slow_tier", choices=("ram", "disk"), default="ram",
+                   help="SpeCache on a CPU: where the complete 16-bit cache lives. ram (default), or disk: a file "
+                        "per layer, read in the background by the speculative prefetch, for contexts whose 16-bit "
+                        "cache outgrows RAM (beside a GPU it is always host RAM)")
+    g.add_argument("--slow_tier_dir", default=None, metavar="DIR",
+                   help="--slow_tier disk: the directory its files go in, in a fresh folder per generation that is "
+                        "removed after it (default: the system's temp directory)")
     g.add_argument("--budget_tokens", type=int, default=None,
                    help="streaming/h2o: tokens kept per layer and KV head (default: as many as fit in the fast-tier "
                         "bytes SpeCache would use with the --specache_* settings at this length; see eviction.py)")
@@ -324,6 +334,10 @@ def validate_args(args: argparse.Namespace) -> None:
     args.cache = args.cache or "full"
     if args.cache not in KINDS:
         raise UserError(f"unknown --cache {args.cache!r}: use one of {', '.join(KINDS)}")
+    if (args.slow_tier != "ram" or args.slow_tier_dir) and args.cache not in ("specache", "specache-nospec"):
+        raise UserError(f"--slow_tier and --slow_tier_dir apply to SpeCache, not --cache {args.cache}")
+    if args.slow_tier_dir and args.slow_tier != "disk":
+        raise UserError("--slow_tier_dir needs --slow_tier disk")
     if args.budget_tokens is not None and args.cache not in EVICTION_CACHES:
         raise UserError(f"--budget_tokens applies to --cache streaming or h2o, not {args.cache}")
 
@@ -335,7 +349,10 @@ def cache_summary(stats: dict) -> str:
                 "cache); evicted tokens are gone")
     line = (f"{stats['cache']} {stats['bits']}-bit: fast tier {stats['fast_tier_bytes'] / 1e6:.1f} MB "
             f"({stats['fast_tier_ratio_to_16bit_cache']:.3f}x a 16-bit cache), slow tier "
-            f"{stats['slow_tier_bytes'] / 1e6:.1f} MB, {stats['bytes_fetched_per_token'] / 1e3:.0f} kB fetched per token")
+            f"{stats['slow_tier_bytes'] / 1e6:.1f} MB{' on disk' if 'slow_tier' in stats else ''}, "
+            f"{stats['bytes_fetched_per_token'] / 1e3:.0f} kB fetched per token")
+    if "slow_tier_bytes_read_per_step" in stats:
+        line += f" ({stats['slow_tier_bytes_read_per_step'] / 1e3:.0f} kB read from disk per step)"
     if "sliding_window_layers" in stats:
         line += (f"; {stats['full_attention_layers']} full-attention layers "
                  f"{stats['fast_tier_ratio_full_attention_layers']:.3f}x their 16-bit cache, "
@@ -430,7 +447,9 @@ def run(args: argparse.Namespace) -> None:
         cache = make_cache(args.cache, model, len(prompts), max_seq_length, bits=args.specache_bits,
                            select=args.specache_select, topk=args.specache_topk, group=args.specache_group,
                            residual=args.specache_residual, stats=args.specache_stats, budget_tokens=args.budget_tokens,
-                           budget_bits=args.specache_bits, sink_tokens=args.sink_tokens, use_flex=use_flex)
+                           budget_bits=args.specache_bits, sink_tokens=args.sink_tokens, use_flex=use_flex,
+                           **({} if args.cache not in ("specache", "specache-nospec") else
+                              dict(slow_tier=args.slow_tier, slow_tier_dir=args.slow_tier_dir)))
     except ValueError as e:
         raise UserError(str(e)) from e
     if args.cache in ("specache", "specache-nospec"):
@@ -507,7 +526,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         run(args)
-    except UserError as e:
+    except (UserError, SlowTierError) as e:
         if args.debug:
             raise
         print(f"error: {e}", file=sys.stderr)

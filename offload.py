@@ -47,8 +47,8 @@ class RamTier:
         self.k[batch, :, positions] = k
         self.v[batch, :, positions] = v
 
-    def read(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """In the step: the pairs at positions (B, Hkv, K)."""
+    def read(self, positions: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        """In the step: the pairs at positions (B, Hkv, K) (all of them: gathering skips nothing)."""
         return gather_pairs(self.k, positions), gather_pairs(self.v, positions)
 
     def prefetch(self, positions: Tensor, valid: Tensor, buffers: tuple[Tensor, Tensor, Tensor, Tensor],
@@ -229,7 +229,7 @@ class PinnedTier(RamTier):
     def store(self, positions: Tensor, k: Tensor, v: Tensor) -> None:
         pass  # the real rows' pairs leave after the layer (after_layer), outside the compiled step
 
-    def read(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def read(self, positions: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         return fetch_now(self, positions)
 
     def prefetch(self, positions: Tensor, valid: Tensor, buffers: tuple[Tensor, Tensor, Tensor, Tensor],

@@ -49,6 +49,7 @@ from kernels.attention import (Segments, drop_from_lowbit, lowbit_part, merge_so
                                over_query_heads, positions_mask, query_rows, row_position_weights, select_top_k)
 from kernels.quant import LEVELS, LowBitKV, quantize_keys, quantize_values, sixteen_bit_dtype, value_group
 from model import CausalPrompt, RingKVCache, Transformer, attention
+from disk_tier import DiskFolder, DiskTier
 from offload import PinnedTier, RamTier
 from selection import GUESSES, parse_select, queries_disagree, select_name
 from specache_stats import DIAGNOSTICS, cache_stats, diagnose, exact_real_row_probs, fast_tier_plan, step_bytes
@@ -75,6 +76,8 @@ class SpeCacheConfig:
     stats: bool = False  # also measure recall and exact-mass coverage (extra scoring passes per layer)
     overlap_fetch: bool = True  # GPU: False waits for each fetch as soon as it starts (what overlap buys)
     pair_dtype: Optional[torch.dtype] = None  # the exact pairs' dtype; None: 16-bit (see above)
+    slow_tier: str = "ram"  # CPU: "ram", or "disk" (a file per layer, disk_tier.py); beside a GPU, host RAM
+    slow_tier_dir: Optional[str] = None  # disk: where its folder goes (None: the system's temp directory)
 
     def with_select(self, select: str) -> "SpeCacheConfig":
         return replace(self, **parse_select(select))
@@ -84,11 +87,11 @@ class SpeCacheConfig:
         return select_name(self)
 
     def splits_graph_on(self, device: torch.device) -> bool:
-        """Whether a compiled step must split its graph: on a GPU, a step that reads the slow tier
-        inside the layer (the real row's picks, the diagnostics) waits for a fetch there."""
+        """Whether a compiled step must split its graph: on a GPU or from disk, a step that reads the
+        slow tier inside the layer (the real row's picks, the diagnostics) waits for a fetch there."""
         picks = self.topk > 0 and (not self.speculative or self.oracle or self.real_share > 0
                                    or self.correct_below is not None)
-        return device.type == "cuda" and bool(picks or self.stats)
+        return (device.type == "cuda" or self.slow_tier == "disk") and bool(picks or self.stats)
 
     def pair_dtype_for(self, model_dtype: torch.dtype) -> torch.dtype:
         return self.pair_dtype or sixteen_bit_dtype(model_dtype)
@@ -109,6 +112,7 @@ class SpeCacheConfig:
             (self.correct_below is None or -1 <= self.correct_below <= 1,
              f"correct: the threshold is a cosine in [-1, 1], got {self.correct_below}"),
             (self.sinks >= 0, f"sinks must be >= 0, got {self.sinks}"),
+            (self.slow_tier in ("ram", "disk"), f"the slow tier is ram or disk, got {self.slow_tier!r}"),
             (head_dim * self.bits % 8 == 0, f"SpeCache packs each token's {self.bits}-bit codes into whole bytes, so "
              f"head_dim x bits must be a multiple of 8; this model's head_dim is {head_dim}"),
             (self.group < 1 or head_dim % value_group(self.group, head_dim) == 0,
@@ -187,8 +191,9 @@ class SpeCacheLayer(nn.Module):
     """
 
     def __init__(self, state: SpeCacheState, n_heads: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, executor: Optional[ThreadPoolExecutor]):
-        """`dtype`: the exact pairs' dtype (window, slots, slow tier)."""
+                 device: torch.device, executor: Optional[ThreadPoolExecutor], folder: Optional[DiskFolder] = None):
+        """`dtype`: the exact pairs' dtype (window, slots, slow tier); `executor` moves pairs beside a
+        GPU, `folder` holds them on disk."""
         super().__init__()
         c, b, t = state.config, state.quantized_len.shape[0], state.capacity
         self.state, self.config = state, c
@@ -234,13 +239,14 @@ class SpeCacheLayer(nn.Module):
             fast("diagnostics", len(DIAGNOSTICS), n_kv_heads, dtype=torch.float64)
         self.fetched_pos[:, :, : self.n_sinks] = torch.arange(self.n_sinks, device=device)
         self.fetched_valid[:, :, : self.n_sinks] = True  # counted while quantized (below Lq)
-        # Slow tier: the complete 16-bit cache (offload.py); beside a GPU it is host memory.
-        shape = (b, n_kv_heads, t, head_dim)
+        # Slow tier: the complete 16-bit cache (offload.py); beside a GPU host memory, or on disk.
+        shape, spec = (b, n_kv_heads, t, head_dim), self.spec_slots
+        prefetch_slots = (self.fetched_k[:, :, spec], self.fetched_v[:, :, spec], self.fetched_pos[:, :, spec],
+                          self.fetched_valid[:, :, spec], self.kappa_pos, self.kappa_valid) if self.k_spec else None
         if device.type == "cuda":
-            spec = self.spec_slots
-            prefetch_slots = (self.fetched_k[:, :, spec], self.fetched_v[:, :, spec], self.fetched_pos[:, :, spec],
-                              self.fetched_valid[:, :, spec], self.kappa_pos, self.kappa_valid) if self.k_spec else None
             self.tier = PinnedTier(shape, dtype, device, prefetch_slots, executor, c.reuse)
+        elif folder is not None:
+            self.tier = DiskTier(shape, dtype, prefetch_slots, folder, c.reuse)
         else:
             self.tier = RamTier(shape, dtype)
 
@@ -373,7 +379,7 @@ class SpeCacheLayer(nn.Module):
             index = rank.view(*rank.shape, *[1] * len(extra)).expand(*rank.shape, *extra)
             return torch.where(taken.view(*taken.shape, *[1] * len(extra)), new.gather(2, index), old)
 
-        pair_k, pair_v = self.tier.read(picks)
+        pair_k, pair_v = self.tier.read(picks, valid)
         self.fetched_k.copy_(place(pair_k.to(self.fetched_k.dtype), self.fetched_k))
         self.fetched_v.copy_(place(pair_v.to(self.fetched_v.dtype), self.fetched_v))
         self.fetched_pos.copy_(place(picks, self.fetched_pos))
@@ -438,10 +444,13 @@ class SpeCache:
             lowbit_cpu.available()  # builds the C kernel now (once per machine), not while torch.compile traces
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specache-fetch") if device.type == "cuda" \
             else None
+        if config.slow_tier == "disk" and device.type != "cpu":
+            raise ValueError("--slow_tier disk is for CPU-only machines: beside a GPU the slow tier is host RAM")
+        self.folder = DiskFolder(config.slow_tier_dir) if config.slow_tier == "disk" else None
         for layer in model.layers:
             window = layer.attention.window
             layer.attention.kv_cache = (
-                SpeCacheLayer(self.state, c.n_head, c.n_local_heads, c.head_dim, dtype, device, executor)
+                SpeCacheLayer(self.state, c.n_head, c.n_local_heads, c.head_dim, dtype, device, executor, self.folder)
                 if window is None else SpeCacheWindow(self.state, window, c.n_local_heads, c.head_dim, dtype, device))
         model.setup_rope(capacity + 1)  # the speculative row can sit one past the last real position
         model.max_batch_size, model.max_seq_length = batch_size, capacity
@@ -457,6 +466,8 @@ class SpeCache:
         """A generation of the prompts `tokens` (B, S, right-padded to `lengths`) starts: every
         per-generation buffer and count is reset."""
         self.state.begin(lengths.tolist())
+        if self.folder is not None:
+            self.folder.open()  # a fresh folder of empty files
         for layer in self.layers:
             layer.reset()
         batch = lengths.shape[0]
@@ -500,8 +511,13 @@ class SpeCache:
             self.guess = self.guess_next(self.guessed_from, self.history, self.history_len)
 
     def finish(self) -> None:
-        for layer in self.layers:
-            layer.tier.before_layer()  # a GPU: the last prefetch has landed
+        """The generation ended, or failed: the last prefetch has landed (a GPU); the disk's files go."""
+        try:
+            for layer in self.layers:
+                layer.tier.before_layer()
+        finally:
+            if self.folder is not None:
+                self.folder.close()
 
     def step_bytes(self, positions: list[int]) -> int:
         return step_bytes(self)

@@ -110,6 +110,9 @@ def cache_stats(cache, steps: int) -> dict:
         "speculative_match_rate": int(cache.matches) / max(1, steps * batch) if cache.speculative else None,
         "prefetch_discarded_share": discarded / checked if checked else None,
     }
+    if cache.folder is not None:  # what the disk tier read: whole positions, each once, not what reuse held
+        stats["slow_tier"] = "disk"
+        stats["slow_tier_bytes_read_per_step"] = sum(each.tier.bytes_read for each in cache.layers) / max(1, steps)
     if cache.rings:  # a hybrid model: each layer type's fast tier against its own 16-bit cache
         global_16bit = 2 * 2 * c.n_local_heads * c.head_dim * state.capacity * batch * len(cache.layers)
         stats.update({

@@ -131,10 +131,11 @@ class Runner:
     @torch.no_grad()
     def decode(self, method: str, prompt: list[int], prefilled: Prefilled, max_new_tokens: int,
                batch_size: int = 1, overlap_fetch: bool = True,
-               callback: Optional[Callable[[Tensor], None]] = None) -> GenerationResult:
+               callback: Optional[Callable[[Tensor], None]] = None, **options) -> GenerationResult:
         """Load the recorded prompt into `method`'s cache (`batch_size` copies of it) and decode
-        from the first token. `overlap_fetch=False`: SpeCache on a GPU waits for each fetch as it starts.
-        `callback` gets each new token (B, 1), the first one included, as generate's does."""
+        from the first token. `overlap_fetch=False`: SpeCache waits for each fetch as it starts (a GPU
+        or the disk tier). `callback` gets each new token (B, 1), the first one included, as
+        generate's does. `options`: other SpeCacheConfig fields (slow_tier, slow_tier_dir)."""
         model, capacity = self.model, self.capacity(prompt, max_new_tokens)
         device = model.tok_embeddings.weight.device
         kind = self.kinds[method][0]
@@ -143,7 +144,7 @@ class Runner:
         budget = self.budget(len(prompt) + max_new_tokens) if kind in ("streaming", "h2o") else None
         cache = make_cache(method, model, batch_size, capacity, topk=self.topk, stats=self.stats,
                            overlap_fetch=overlap_fetch, budget_tokens=budget, sink_tokens=self.sink_tokens,
-                           use_flex=self.compiled and flex_attention_available(device))
+                           use_flex=self.compiled and flex_attention_available(device), **options)
         tokens = torch.tensor([prompt] * batch_size, device=device)
         cache.begin(tokens, torch.full((batch_size,), len(prompt), device=device))
         cache.ingest([(rec.k.expand(batch_size, -1, -1, -1), rec.v.expand(batch_size, -1, -1, -1),

@@ -1,0 +1,303 @@
+"""SpeCache's slow tier on disk, for CPU-only machines whose 16-bit cache outgrows RAM.
+
+On a GPU the tiers are VRAM and host RAM, and the speculative prefetch hides a PCIe transfer. On a
+CPU with `--slow_tier ram` both tiers are the same RAM and there is nothing to hide. Here the fast
+tier is RAM and the slow tier is one file per layer, so the prefetch has a real latency to hide,
+and a context whose 16-bit cache does not fit in memory can still be decoded.
+
+- Layout: a layer's file is (B, T, Hkv, 2, D) in the pairs' dtype: one position's K and V for
+  every KV head are contiguous, so a fetched position is one read (4 KiB on a Llama-3-8B shape:
+  one page), and a position that several heads pick is read once. Per-head planes read the same
+  number of pages for scattered positions and more when heads agree (scripts/bench_disk.py --layout).
+- Reads: `os.preadv` straight into a staging tensor, from a pool of I/O threads; adjacent positions
+  are one read. Not memory-mapped, though as fast here: pages a mapping touches count in the
+  process's resident memory, and a failed read through a mapping is a SIGBUS, not an OSError; any
+  filesystem that can hold a file works.
+- Writes: `os.pwrite`, the prompt's pairs at prefill, then each step's real row, after its layer.
+- The speculative prefetch of kappa_{t+1} is queued right after layer l at step t and waited for
+  just before layer l at step t + 1, when its pairs go into the layer's fast-tier slots. Pairs
+  chosen within a step (the real row's picks; the non-speculative baseline) are read and waited
+  for at once, outside any compiled graph. With `reuse`, a read skips the positions the previous
+  read of its kind holds.
+- Files live in a fresh folder `specache-<pid>-*` under the chosen directory (default: the system's
+  temp directory), made when a generation begins and removed when it ends, on Ctrl-C, on an error,
+  and at interpreter exit for one left open; two processes never share one. `kill -9` leaves it.
+"""
+import errno
+import os
+import shutil
+import tempfile
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+# Reads in flight: this box's virtio disk did 12k random 4 KiB reads/s with one, about 50k with 16.
+IO_THREADS = 16
+
+
+class SlowTierError(RuntimeError):
+    """The disk tier could not be made, written or read (a full disk, an unwritable folder)."""
+
+
+def _remove(live: dict) -> None:
+    """Close the files and remove the folder in `live` (kept apart from DiskFolder, so that the
+    interpreter's exit can run it for a folder nobody closed)."""
+    for fd in live["fds"]:
+        os.close(fd)
+    live["fds"].clear()
+    if live["path"] is not None:
+        shutil.rmtree(live["path"], ignore_errors=True)
+        live["path"] = None
+
+
+class DiskFolder:
+    """The folder of one generation's slow-tier files, shared by a SpeCache's layers (each a
+    DiskTier), and the threads that read them."""
+
+    def __init__(self, parent: Optional[str] = None):
+        self.parent = str(parent) if parent else tempfile.gettempdir()
+        self.tiers: list["DiskTier"] = []
+        self.pool: Optional[ThreadPoolExecutor] = None
+        self._live = {"path": None, "fds": []}
+        weakref.finalize(self, _remove, self._live)
+
+    @property
+    def path(self) -> Optional[str]:
+        return self._live["path"]
+
+    def nbytes(self) -> int:
+        return sum(tier.nbytes() for tier in self.tiers)
+
+    def open(self) -> None:
+        """A generation begins: a fresh folder, and an empty file per layer (sparse: the prompt and
+        each step fill it)."""
+        self.close()
+        if not os.path.isdir(self.parent):
+            raise SlowTierError(f"the slow tier's directory {self.parent} does not exist (--slow_tier_dir)")
+        try:
+            self._live["path"] = tempfile.mkdtemp(prefix=f"specache-{os.getpid()}-", dir=self.parent)
+            free = shutil.disk_usage(self.path).free
+            if free < self.nbytes():
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            for i, tier in enumerate(self.tiers):
+                fd = os.open(os.path.join(self.path, f"layer{i:03d}.kv"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                self._live["fds"].append(fd)
+                os.ftruncate(fd, tier.nbytes())
+                tier.open(fd)
+        except OSError as error:
+            self.fail(error, "making")
+        self.pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="specache-disk")
+
+    def close(self) -> None:
+        """The generation ended (or failed): wait for the reads in flight, remove the files."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+        for tier in self.tiers:
+            tier.fd = None
+        _remove(self._live)
+
+    def fail(self, error: OSError, doing: str) -> None:
+        """Remove the files and raise one clear SlowTierError for `error`."""
+        where = self.path or self.parent
+        self.close()
+        if error.errno == errno.ENOSPC:
+            message = (f"no space left for SpeCache's slow tier in {self.parent}: it needs "
+                       f"{self.nbytes() / 1e9:.2f} GB at this capacity; free some, or give --slow_tier_dir on a "
+                       "disk with room")
+        else:
+            message = f"{doing} SpeCache's slow tier in {where} failed: {error.strerror or error}"
+        raise SlowTierError(message + " (its files were removed)") from error
+
+    def drop_page_cache(self) -> None:
+        """Write every file's dirty pages out and drop its pages from the page cache (the bench's
+        cold case: the next reads come from the disk)."""
+        for tier in self.tiers:
+            os.fdatasync(tier.fd)
+            os.posix_fadvise(tier.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+class PendingRead(NamedTuple):
+    """Reads in flight for the pairs at `positions` (B, Hkv, K) where `valid`: per sequence, the
+    sorted positions read and their staging buffer (N, Hkv, 2, D), or None; which pairs come from
+    the previous read of this kind (`reused`, at `source`) instead."""
+    positions: Tensor
+    valid: Tensor
+    staged: list[Optional[tuple[Tensor, Tensor]]]
+    futures: list[Future]
+    reused: Tensor
+    source: Optional[Tensor]
+
+
+def _read_runs(fd: int, staging: memoryview, runs: list[tuple[int, int, int]]) -> None:
+    """Fill staging[lo:hi] from the file at `offset`, for each run (offset, lo, hi) in bytes."""
+    for offset, lo, hi in runs:
+        while lo < hi:
+            n = os.preadv(fd, [staging[lo:hi]], offset)
+            if n == 0:
+                raise OSError(errno.EIO, "the slow tier's file ended early")
+            lo, offset = lo + n, offset + n
+
+
+class DiskTier:
+    """The complete 16-bit K and V of one layer in a file of `folder`; `shape` (B, Hkv, T, D).
+    `slots`: the layer's fast-tier views that the prefetch fills (fetched_k, fetched_v, fetched_pos,
+    fetched_valid, kappa_pos, kappa_valid), or None without one."""
+
+    def __init__(self, shape: tuple, dtype: torch.dtype, slots: Optional[tuple], folder: DiskFolder, reuse: bool):
+        self.batch, self.n_kv_heads, self.capacity, self.head_dim = shape
+        self.dtype, self.slots, self.folder, self.reuse = dtype, slots, folder, reuse
+        self.position_bytes = self.n_kv_heads * 2 * self.head_dim * dtype.itemsize
+        self.fd: Optional[int] = None
+        self.pending: Optional[PendingRead] = None
+        self.held: dict[str, Optional[tuple]] = {"prefetch": None, "picks": None}
+        self.bytes_read = 0
+        folder.tiers.append(self)
+
+    def open(self, fd: int) -> None:
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead around scattered reads
+        except OSError:
+            pass  # only a hint
+        self.fd = fd
+        self.reset()
+
+    def reset(self) -> None:
+        self.pending = None
+        self.held = dict.fromkeys(self.held)
+        self.bytes_read = 0
+
+    def nbytes(self) -> int:
+        return self.batch * self.capacity * self.position_bytes
+
+    # --- writes --------------------------------------------------------------------------------
+
+    def write(self, b: int, start: int, k: Tensor, v: Tensor) -> None:
+        """Pairs k, v (Hkv, N, D) of sequence b at positions [start, start + N)."""
+        pairs = torch.stack((k, v), 2).transpose(0, 1).to(self.dtype).contiguous()  # (N, Hkv, 2, D)
+        data = memoryview(pairs.view(-1).view(torch.uint8).numpy())
+        offset = (b * self.capacity + start) * self.position_bytes
+        try:
+            while data:
+                n = os.pwrite(self.fd, data, offset)
+                data, offset = data[n:], offset + n
+        except OSError as error:
+            self.folder.fail(error, "writing")
+
+    def store(self, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        pass  # the real rows' pairs are written after the layer (after_layer), outside the compiled step
+
+    # --- reads ---------------------------------------------------------------------------------
+
+    def start_read(self, positions: Tensor, valid: Tensor, kind: str) -> PendingRead:
+        """Queue the reads of the valid pairs at `positions` (B, Hkv, K) that the previous read of
+        `kind` ("prefetch" or "picks") does not hold: per sequence, each position once, adjacent
+        positions in one read, spread over the I/O threads."""
+        positions, valid = positions.clone(), valid.clone()
+        reused, source = torch.zeros_like(valid), None
+        held = self.held[kind] if self.reuse else None
+        if held is not None and held[0].shape == positions.shape:
+            match = (positions.unsqueeze(-1) == held[0].unsqueeze(-2)) & held[1].unsqueeze(-2)
+            reused, source = valid & match.any(-1), match.to(torch.uint8).argmax(-1)
+        need = valid & ~reused
+        staged, futures = [], []
+        for b in range(self.batch):
+            wanted = torch.unique(positions[b][need[b]])  # sorted
+            if wanted.numel() == 0:
+                staged.append(None)
+                continue
+            staging = torch.empty(wanted.numel(), self.n_kv_heads, 2, self.head_dim, dtype=self.dtype)
+            starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(wanted.diff() != 1)[:, 0] + 1])
+            ends = torch.cat([starts[1:], torch.tensor([wanted.numel()])])
+            first = (b * self.capacity + wanted[starts]) * self.position_bytes
+            runs = list(zip(first.tolist(), (starts * self.position_bytes).tolist(), (ends * self.position_bytes).tolist()))
+            raw = memoryview(staging.view(-1).view(torch.uint8).numpy())
+            jobs = min(IO_THREADS, len(runs))
+            futures += [self.folder.pool.submit(_read_runs, self.fd, raw, runs[j::jobs]) for j in range(jobs)]
+            staged.append((wanted, staging))
+            self.bytes_read += wanted.numel() * self.position_bytes
+        return PendingRead(positions, valid, staged, futures, reused, source)
+
+    def finish_read(self, pending: PendingRead, kind: str) -> tuple[Tensor, Tensor]:
+        """Wait for `pending`'s reads: the pairs k, v (B, Hkv, K, D) at its positions (what invalid
+        positions hold is undefined)."""
+        try:
+            for future in pending.futures:
+                future.result()
+        except OSError as error:
+            self.folder.fail(error, "reading")
+        shape = (*pending.positions.shape, self.head_dim)
+        k, v = torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype)
+        if pending.source is not None:
+            held = self.held[kind]
+            index = pending.source.unsqueeze(-1).expand(shape)
+            k.copy_(held[2].gather(2, index))
+            v.copy_(held[3].gather(2, index))
+        heads = torch.arange(self.n_kv_heads).unsqueeze(-1)
+        for b, entry in enumerate(pending.staged):
+            if entry is None:
+                continue
+            wanted, staging = entry
+            row = torch.searchsorted(wanted, pending.positions[b]).clamp_(max=wanted.numel() - 1)  # (Hkv, K)
+            read = (pending.valid[b] & ~pending.reused[b]).unsqueeze(-1)
+            pairs = staging[row, heads]  # (Hkv, K, 2, D)
+            k[b] = torch.where(read, pairs[:, :, 0], k[b])
+            v[b] = torch.where(read, pairs[:, :, 1], v[b])
+        self.held[kind] = (pending.positions, pending.valid, k, v)
+        return k, v
+
+    def read(self, positions: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        """In the step: the pairs at positions (B, Hkv, K), read and waited for now."""
+        return read_now(self, positions, valid)
+
+    def prefetch(self, positions: Tensor, valid: Tensor, buffers: tuple[Tensor, Tensor, Tensor, Tensor],
+                 slots: slice) -> None:
+        pass  # queued after the layer (after_layer), read in the background
+
+    def keys_on(self, device: torch.device) -> Tensor:
+        """Every key (B, Hkv, T, D), read whole (for the diagnostics only)."""
+        return read_all_keys(self).to(device)
+
+    # --- the hand-offs around a layer -----------------------------------------------------------
+
+    def before_layer(self) -> None:
+        """kappa_t's pairs land in the layer's prefetch slots."""
+        pending, self.pending = self.pending, None
+        if pending is None or self.fd is None:
+            return
+        k, v = self.finish_read(pending, "prefetch")
+        fetched_k, fetched_v, fetched_pos, fetched_valid = self.slots[:4]
+        fetched_k.copy_(k)
+        fetched_v.copy_(v)
+        fetched_pos.copy_(pending.positions)
+        fetched_valid.copy_(pending.valid)
+
+    def after_layer(self, window_k: Tensor, window_v: Tensor, quantized_len: list[int], window_len: list[int],
+                    kept: bool, prefetched: bool, overlap: bool) -> None:
+        """After the layer's step: the real rows' pairs (the windows' newest slots) are written; the
+        reads of kappa_{t+1} are queued (and with `overlap` False, waited for)."""
+        if kept:
+            for b, (lq, r) in enumerate(zip(quantized_len, window_len)):
+                self.write(b, lq + r, window_k[b, :, r: r + 1], window_v[b, :, r: r + 1])
+        if prefetched and self.slots is not None:
+            self.pending = self.start_read(self.slots[4], self.slots[5], "prefetch")
+            if not overlap:
+                self.before_layer()
+
+
+@torch.compiler.disable
+def read_now(tier: DiskTier, positions: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    return tier.finish_read(tier.start_read(positions, valid, "picks"), "picks")
+
+
+@torch.compiler.disable
+def read_all_keys(tier: DiskTier) -> Tensor:
+    everything = torch.empty(tier.batch, tier.capacity, tier.n_kv_heads, 2, tier.head_dim, dtype=tier.dtype)
+    try:
+        _read_runs(tier.fd, memoryview(everything.view(-1).view(torch.uint8).numpy()), [(0, 0, tier.nbytes())])
+    except OSError as error:
+        tier.folder.fail(error, "reading")
+    return everything[:, :, :, 0].transpose(1, 2)

@@ -1,0 +1,159 @@
+"""The disk slow tier (disk_tier.py) against the RAM one: the same tokens and logits, files that
+exist only while a generation runs, and one clear error when the disk fails."""
+import dataclasses
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import disk_tier
+from conftest import tiny_model
+from disk_tier import SlowTierError
+from generate import generate, main
+from scripts.harness import Runner
+from scripts.haystack import needle_prompt
+from specache import SpeCache, SpeCacheConfig
+from tokenizer import get_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+NEW_TOKENS = 24
+# ragged, with window flushes (g = R = 16): sequence b's pairs sit at offset b x capacity in each file
+LENGTHS = (70, 47, 130)
+CONFIGS = {
+    "default-1bit": SpeCacheConfig(bits=1, topk=8, group=16, residual=16),
+    "default-2bit-stats": SpeCacheConfig(bits=2, topk=8, group=16, residual=16, stats=True),
+    "paper-1bit-waited": SpeCacheConfig(bits=1, topk=8, group=16, residual=16, overlap_fetch=False).with_select(
+        "paper"),
+    "paper-2bit": SpeCacheConfig(bits=2, topk=8, group=16, residual=16).with_select("paper"),  # no reuse
+    "nospec-1bit": SpeCacheConfig(bits=1, topk=8, group=16, residual=16, speculative=False),
+}
+
+
+def tiny_run(config, tmp_path=None):
+    """Tokens and every pass's logits of a ragged batch, with the RAM tier or (tmp_path) the disk one."""
+    model = tiny_model(3)
+    if tmp_path is not None:
+        config = dataclasses.replace(config, slow_tier="disk", slow_tier_dir=str(tmp_path))
+    prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in LENGTHS]
+    cache = SpeCache(model, len(prompts), max(LENGTHS) + NEW_TOKENS, config)
+    logits = []
+    hook = model.output.register_forward_hook(lambda module, args, out: logits.append(out.detach().clone()))
+    try:
+        result = generate(model, cache, prompts, NEW_TOKENS, temperature=0)
+    finally:
+        hook.remove()
+    return result, logits
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_disk_tier_decodes_exactly_as_the_ram_tier(name, tmp_path):
+    """Catches a pair written or read at the wrong offset (sequence, position, head, K/V), a prefetch
+    that lands in the wrong layer or step, and reuse handing back a stale pair: logits equal bit for bit."""
+    ram, ram_logits = tiny_run(CONFIGS[name])
+    disk, disk_logits = tiny_run(CONFIGS[name], tmp_path)
+    assert disk.tokens == ram.tokens
+    assert all(torch.equal(a, b) for a, b in zip(ram_logits, disk_logits))
+    assert disk.stats["slow_tier"] == "disk" and disk.stats["slow_tier_bytes_read_per_step"] > 0
+    assert list(tmp_path.iterdir()) == []  # the files went with the generation
+
+
+def test_the_files_exist_while_a_generation_runs_and_one_process_never_shares_them(tmp_path):
+    model = tiny_model(3)
+    config = SpeCacheConfig(bits=1, topk=8, group=16, residual=16, slow_tier="disk", slow_tier_dir=str(tmp_path))
+    caches = [SpeCache(model, 1, 200, config) for _ in range(2)]
+    seen = []
+
+    def look(tokens):
+        folders = sorted(tmp_path.iterdir())
+        seen.append([(f.name, sorted((p.name, p.stat().st_size) for p in f.iterdir())) for f in folders])
+
+    prompt = list(range(60))
+    caches[0].begin(torch.tensor([prompt]), torch.tensor([60]))  # a second generation open beside the first
+    generate(model, caches[1], [prompt], 4, temperature=0, callback=look)
+    caches[0].finish()
+    folders = seen[0]
+    assert len(folders) == 2 and folders[0][0] != folders[1][0]
+    assert all(name.startswith(f"specache-{os.getpid()}-") for name, _ in folders)
+    layer_bytes = 1 * 208 * 2 * 2 * 16 * 2  # B x capacity (a whole group) x Hkv x (K, V) x D x 2 bytes
+    assert folders[0][1] == [(f"layer{i:03d}.kv", layer_bytes) for i in range(2)]
+    assert list(tmp_path.iterdir()) == []
+
+
+def failing(call, after: int, error: int):
+    """`call` that raises OSError(error) from its (after + 1)-th use on."""
+    count = [0]
+
+    def wrapped(*args):
+        count[0] += 1
+        if count[0] > after:
+            raise OSError(error, os.strerror(error))
+        return call(*args)
+    return wrapped
+
+
+@pytest.mark.parametrize("what, error, message", [
+    ("pwrite", errno.ENOSPC, "no space left for SpeCache's slow tier"),
+    ("preadv", errno.EIO, "reading SpeCache's slow tier in .* failed: Input/output error"),
+])
+def test_a_disk_error_is_one_clear_error_and_removes_the_files(what, error, message, tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_tier.os, what, failing(getattr(os, what), 40, error))
+    with pytest.raises(SlowTierError, match=message):
+        tiny_run(CONFIGS["default-1bit"], tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_too_little_free_space_fails_before_prefill(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_tier.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+    with pytest.raises(SlowTierError, match=r"no space left .* it needs 0\.00\d* GB"):
+        tiny_run(CONFIGS["default-1bit"], tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_generate_prints_one_error_line_for_a_missing_directory(tmp_path, capsys):
+    code = main(["--specache", "--slow_tier", "disk", "--slow_tier_dir", str(tmp_path / "missing"), "--prompt", "Hi",
+                 "--max_new_tokens", "2", "--temperature", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1] == f"error: the slow tier's directory {tmp_path / 'missing'} does not exist " \
+                                    "(--slow_tier_dir)"
+
+
+def test_ctrl_c_removes_the_files(tmp_path):
+    """A real process, interrupted while it decodes: it exits 130 and leaves nothing behind."""
+    process = subprocess.Popen(
+        [sys.executable, "generate.py", "--specache", "--slow_tier", "disk", "--slow_tier_dir", str(tmp_path),
+         "--prompt", "Once upon a time " * 80, "--max_new_tokens", "2000", "--max_seq_length", "2400",
+         "--temperature", "0"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(folder.is_dir() and len(list(folder.iterdir())) == 30 for folder in tmp_path.iterdir()):
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+        time.sleep(0.2)
+    time.sleep(2)  # into the decode loop
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=60) == 130, process.stderr.read()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def smollm2_4k(smollm2_model, smollm2_checkpoint):
+    tokenizer = get_tokenizer(smollm2_checkpoint.parent)
+    prompt = needle_prompt(tokenizer, 4000, 50)
+    runner = Runner(smollm2_model, tokenizer, ["specache-1bit", "specache-2bit", "specache-nospec-1bit",
+                                               "specache-nospec-2bit"])
+    return runner, prompt, runner.prefill(prompt, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("method", ["specache-1bit", "specache-2bit", "specache-nospec-1bit", "specache-nospec-2bit"])
+def test_default_model_at_4k_gives_the_ram_tiers_tokens(method, smollm2_4k, tmp_path):
+    runner, prompt, prefilled = smollm2_4k
+    ram = runner.decode(method, prompt, prefilled, NEW_TOKENS)
+    disk = runner.decode(method, prompt, prefilled, NEW_TOKENS, slow_tier="disk", slow_tier_dir=str(tmp_path))
+    assert disk.tokens == ram.tokens
+    assert disk.stats["slow_tier_bytes_read_per_step"] > 0
+    assert list(tmp_path.iterdir()) == []
