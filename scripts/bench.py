@@ -54,6 +54,7 @@ from caches import full_cache_step_bytes  # noqa: E402
 from generate import weight_bytes  # noqa: E402
 from config import ModelArgs, transformer_configs  # noqa: E402
 from model import Transformer  # noqa: E402
+from quantize import Int8Linear, replace_linears  # noqa: E402
 from checkpoint import find_default_gguf, prepare_default_checkpoint  # noqa: E402
 from scripts.harness import RESULTS_DIR, Runner, method_argument, write_report  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
@@ -77,11 +78,26 @@ def measure_read_bandwidth(device: torch.device = torch.device("cpu"), gib: floa
     return statistics.median(rates)
 
 
-def random_model(name: str, device: torch.device, dtype: torch.dtype) -> Transformer:
-    """A model of `name`'s shape with random weights (speed only)."""
-    with torch.device(device):
+def random_model(name: str, device: torch.device, dtype: torch.dtype, int8: bool = False) -> Transformer:
+    """A model of `name`'s shape with random weights (speed only). `int8`: int8 Linears (as
+    quantize.py makes), built without ever holding the float weights, so that a Llama-3-8B shape
+    fits in 9 GB; their scales keep activations at unit scale."""
+    if not int8:
+        with torch.device(device):
+            model = Transformer(ModelArgs.from_name(name))
+        return model.to(dtype).eval()
+    with torch.device("meta"):
         model = Transformer(ModelArgs.from_name(name))
-    return model.to(dtype).eval()
+    replace_linears(model, "int8")
+    model = model.to_empty(device=device).to(dtype)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, Int8Linear):
+                module.weight.random_(-127, 128)
+                module.scales.fill_(1 / (73 * module.in_features ** 0.5))  # codes' std is 73
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_()
+    return model.eval()
 
 
 class NoTokenizer:

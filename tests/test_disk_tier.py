@@ -2,6 +2,7 @@
 exist only while a generation runs, and one clear error when the disk fails."""
 import dataclasses
 import errno
+import mmap
 import os
 import signal
 import subprocess
@@ -90,20 +91,21 @@ def failing(call, after: int, error: int):
     """`call` that raises OSError(error) from its (after + 1)-th use on."""
     count = [0]
 
-    def wrapped(*args):
+    def wrapped(*args, **kwargs):
         count[0] += 1
         if count[0] > after:
             raise OSError(error, os.strerror(error))
-        return call(*args)
+        return call(*args, **kwargs)
     return wrapped
 
 
-@pytest.mark.parametrize("what, error, message", [
-    ("pwrite", errno.ENOSPC, "no space left for SpeCache's slow tier"),
-    ("preadv", errno.EIO, "reading SpeCache's slow tier in .* failed: Input/output error"),
+@pytest.mark.parametrize("module, what, error, message", [
+    (os, "pwrite", errno.ENOSPC, "no space left for SpeCache's slow tier"),
+    (os, "pwrite", errno.EROFS, "writing SpeCache's slow tier in .* failed: Read-only file system"),
+    (mmap, "mmap", errno.ENODEV, "cannot memory-map files, which the disk tier reads through"),
 ])
-def test_a_disk_error_is_one_clear_error_and_removes_the_files(what, error, message, tmp_path, monkeypatch):
-    monkeypatch.setattr(disk_tier.os, what, failing(getattr(os, what), 40, error))
+def test_a_disk_error_is_one_clear_error_and_removes_the_files(module, what, error, message, tmp_path, monkeypatch):
+    monkeypatch.setattr(module, what, failing(getattr(module, what), 40 if what == "pwrite" else 0, error))
     with pytest.raises(SlowTierError, match=message):
         tiny_run(CONFIGS["default-1bit"], tmp_path)
     assert list(tmp_path.iterdir()) == []
