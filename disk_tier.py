@@ -11,8 +11,8 @@ and a context whose 16-bit cache does not fit in memory can still be decoded.
   number of pages for scattered positions and more when heads agree (scripts/bench_disk.py --layout).
 - Reads: a gather of whole positions through a memory map of the file, split over a pool of I/O
   threads (torch releases the GIL, so their page faults run side by side); positions in one page
-  cost one fault, and MADV_RANDOM stops readahead around them. The map lives for one read only, so
-  the pages it touched do not stay in the process's resident memory. A layer's cold fetch took
+  cost one fault, and MADV_RANDOM stops readahead around them. Each thread maps the file for its
+  share of one read only, so the pages it touched do not stay in the process's resident memory. A layer's cold fetch took
   0.6x the time of os.preadv over runs of adjacent positions from the same threads (scripts/
   bench_disk.py --layout). A disk error while reading through a map is a SIGBUS, which ends the
   process; a filesystem that cannot map files is refused when the generation begins.
@@ -131,15 +131,20 @@ class DiskFolder:
 class PendingRead(NamedTuple):
     """Reads in flight for the pairs at `positions` (B, Hkv, K) where `valid`: per sequence, the
     sorted positions read and their staging buffer (N, Hkv, 2, D), or None; which pairs come from
-    the previous read of this kind (`reused`, at `source`) instead; the file's map they read from
-    (unmapped when the last reference goes)."""
+    the previous read of this kind (`reused`, at `source`) instead."""
     positions: Tensor
     valid: Tensor
     staged: list[Optional[tuple[Tensor, Tensor]]]
     futures: list[Future]
     reused: Tensor
     source: Optional[Tensor]
-    store: Tensor
+
+
+def _gather(tier: "DiskTier", rows: Tensor, out: Tensor) -> None:
+    """One I/O thread's share of a read: `rows` of the file into `out`, through a map of its own
+    that goes when this returns, so the pages it touched leave the process's resident memory at
+    once (a fault maps the whole page-cache folio around a position, up to ~170 KiB here)."""
+    torch.index_select(tier.mapped(), 0, rows, out=out)
 
 
 class DiskTier:
@@ -207,7 +212,6 @@ class DiskTier:
             match = (positions.unsqueeze(-1) == held[0].unsqueeze(-2)) & held[1].unsqueeze(-2)
             reused, source = valid & match.any(-1), match.to(torch.uint8).argmax(-1)
         need = valid & ~reused
-        store = self.mapped()
         staged, futures = [], []
         for b in range(self.batch):
             wanted = torch.unique(positions[b][need[b]])  # sorted
@@ -216,11 +220,11 @@ class DiskTier:
                 continue
             staging = torch.empty(wanted.numel(), self.n_kv_heads, 2, self.head_dim, dtype=self.dtype)
             jobs = min(IO_THREADS, wanted.numel())
-            futures += [self.folder.pool.submit(torch.index_select, store, 0, rows, out=out)
+            futures += [self.folder.pool.submit(_gather, self, rows, out)
                         for rows, out in zip((wanted + b * self.capacity).chunk(jobs), staging.chunk(jobs))]
             staged.append((wanted, staging))
             self.bytes_read += wanted.numel() * self.position_bytes
-        return PendingRead(positions, valid, staged, futures, reused, source, store)
+        return PendingRead(positions, valid, staged, futures, reused, source)
 
     def finish_read(self, pending: PendingRead, kind: str) -> tuple[Tensor, Tensor]:
         """Wait for `pending`'s reads: the pairs k, v (B, Hkv, K, D) at its positions (what invalid

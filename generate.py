@@ -458,6 +458,9 @@ def run(args: argparse.Namespace) -> None:
             log(f"Note: --specache_topk {args.specache_topk} clamped to {k}: at this capacity SpeCache has room for "
                 f"{k} exact pairs per layer and KV head beside its window (its fast tier never exceeds a 16-bit "
                 "cache, and it fetches only positions it quantized)")
+    if args.slow_tier == "disk":
+        log(f"Slow tier on disk: {cache.folder.nbytes() / 1e9:.2f} GB of files at this capacity, in a fresh folder "
+            f"under {cache.folder.parent} that goes when each generation ends")
     if args.cache != "full" and args.compile_prefill:
         log(f"Note: --compile_prefill is ignored with --cache {args.cache} (its prefill picks what to keep in Python)")
     if args.compile:

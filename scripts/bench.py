@@ -28,6 +28,9 @@ step, so that row is left out there). HF transformers' `generate` with its Dynam
 optimum-quanto is installed, its QuantizedCache (quanto, 2 bits) run batch 1, same prompt and dtype
 (embedded model only).
 
+Long contexts with SpeCache's slow tier on disk, a Llama-3-8B shape at 64k-128k with int8 weights
+and synthetic K and V (no prefill), cold and warm page cache: `scripts/bench_disk.py`.
+
 `--random_weights NAME` times a model of that shape (a name in config.py's transformer_configs, such
 as Meta-Llama-3-8B) with random weights, where no checkpoint can travel (the GPU check): speed
 only, the tokens mean nothing. `--max_batch` also finds, per method and length, the largest batch

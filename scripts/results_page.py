@@ -43,6 +43,16 @@ SELECTION = [
      "three quarters of k, the non-speculative baseline with our other changes, and the error oracle (k pairs "
      "chosen from exact scores; diagnostics only: it reads the whole slow tier)."),
 ]
+DISK = [
+    ("disk/bench_disk", "Llama-3-8B shape: the disk tier at 64k and 128k", "scripts/bench_disk.py",
+     "SpeCache 1-bit with its slow tier on disk (`--slow_tier disk`), a Llama-3-8B shape with random int8 weights "
+     "and synthetic K and V: speed and memory only. Warm: the store's pages as the writes left them in the page "
+     "cache; cold: dropped before each step. Resident memory is the process's; the page cache the store used is "
+     "beside it."),
+    ("disk/layout", "The disk tier's file layout and read method", "scripts/bench_disk.py --layout",
+     "One layer's fetch from a 128k-position file of a Llama-3-8B layer: position-major (disk_tier.py's) against "
+     "per-head planes, read with preadv runs or through a memory map (disk_tier.py's)."),
+]
 # Measured before the default selection changed: their `specache-Nbit` rows are the paper's rule.
 SECTIONS = [
     ("needle", "Needle in a haystack", "scripts/needle.py",
@@ -106,6 +116,9 @@ def page() -> str:
                  "same fast-tier bytes (docs/method.md explains them). One run per table.\n")
     parts.append(ablation())
     parts += [section(*entry, level=3) for entry in SELECTION]
+    parts.append("## The slow tier on disk\n\nSpeCache on a CPU-only machine whose 16-bit cache outgrows RAM "
+                 "(docs/method.md#the-slow-tier-on-disk-ours).\n")
+    parts += [section(*entry, level=3) for entry in DISK]
     parts.append("## Before the selection changed\n\nThe sections below were measured before the default "
                  "selection changed: their `specache-1bit` and `specache-2bit` rows are the paper's rule, what "
                  "`specache-1bit:paper` names now. The other methods are unchanged.\n")

@@ -237,3 +237,13 @@ def test_repeated_samples_report_the_same_generation(capsys, smollm2_checkpoint,
     assert len(summaries) == 3 and len(set(summaries)) == 1, summaries
     generated = [text.strip() for text in out.split(prompt)[1:]]  # each sequence prints the prompt, then its text
     assert len(generated) == 6 and len(set(generated)) == 1 and generated[0]
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--slow_tier", "disk"], "--slow_tier and --slow_tier_dir apply to SpeCache, not --cache full"),
+    (["--cache", "kivi", "--slow_tier", "disk"], "not --cache kivi"),
+    (["--specache", "--slow_tier_dir", "/tmp"], "--slow_tier_dir needs --slow_tier disk"),
+])
+def test_slow_tier_flags_that_do_not_apply(capsys, tiny_checkpoint, argv, fragment):
+    code, _, err = run_cli(capsys, "--checkpoint", str(tiny_checkpoint), "--prompt", "hi", *argv)
+    assert_one_line_error(code, err, fragment)

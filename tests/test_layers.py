@@ -15,7 +15,7 @@ LAYERS = [
     ["config", "tokenizer"],
     ["model"],
     ["quantize", "convert"],
-    ["offload", "selection", "specache_stats"],
+    ["offload", "disk_tier", "selection", "specache_stats"],
     ["specache", "eviction"],
     ["caches"],
     ["checkpoint"],
