@@ -7,15 +7,16 @@ and a context whose 16-bit cache does not fit in memory can still be decoded.
 
 - Layout: a layer's file is (B, T, Hkv, 2, D) in the pairs' dtype: one position's K and V for
   every KV head are contiguous, so a fetched position is one read (4 KiB on a Llama-3-8B shape:
-  one page), and a position that several heads pick is read once. Per-head planes read the same
-  number of pages for scattered positions and more when heads agree (scripts/bench_disk.py --layout).
-- Reads: a gather of whole positions through a memory map of the file, split over a pool of I/O
-  threads (torch releases the GIL, so their page faults run side by side); positions in one page
-  cost one fault, and MADV_RANDOM stops readahead around them. Each thread maps the file for its
-  share of one read only, so the pages it touched do not stay in the process's resident memory. A layer's cold fetch took
-  0.6x the time of os.preadv over runs of adjacent positions from the same threads (scripts/
-  bench_disk.py --layout). A disk error while reading through a map is a SIGBUS, which ends the
-  process; a filesystem that cannot map files is refused when the generation begins.
+  one page), and a position that several heads pick is read once. Per-head planes read as many
+  pages for scattered positions and 8x more when heads agree (scripts/bench_disk.py --layout).
+- Reads: a gather of whole positions through a read-only memory map of the file, split over a
+  pool of I/O threads (torch releases the GIL, so their page faults run side by side); positions
+  in one page cost one fault, and MADV_RANDOM stops readahead around them. Each thread maps the
+  file for its share of one read only, so the pages it touched do not stay in the process's
+  resident memory. A layer's cold fetch took 0.6x the time of os.preadv over runs of adjacent
+  positions from the same threads (scripts/bench_disk.py --layout). A disk error while reading
+  through a map is a SIGBUS, which ends the process; a filesystem that cannot map files is
+  refused when the generation begins.
 - Writes: `os.pwrite`, so a full disk is an OSError (through a map it would be a SIGBUS): the
   prompt's pairs at prefill, then each step's real row, after its layer.
 - The speculative prefetch of kappa_{t+1} is queued right after layer l at step t and waited for
@@ -23,18 +24,21 @@ and a context whose 16-bit cache does not fit in memory can still be decoded.
   chosen within a step (the real row's picks; the non-speculative baseline) are read and waited
   for at once, outside any compiled graph. With `reuse`, a read skips the positions the previous
   read of its kind holds.
-- Files live in a fresh folder `specache-<pid>-*` under the chosen directory (default: the system's
-  temp directory), made when a generation begins and removed when it ends, on Ctrl-C, on an error,
-  and at interpreter exit for one left open; two processes never share one. `kill -9` leaves it.
+- Files live in a fresh folder `specache-<pid>-*` under the chosen directory (default /var/tmp,
+  meant for big temporary files and on disk where /tmp is often RAM; a directory on tmpfs gets a
+  warning), made when a generation begins and removed when it ends, on Ctrl-C, on an error, and at
+  interpreter exit for one left open (generate.py turns SIGTERM and SIGHUP into an exit); two
+  processes never share one. `kill -9` leaves it.
 """
 import errno
 import mmap
 import os
 import shutil
 import tempfile
+import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple, Optional
+from typing import NamedTuple, NoReturn, Optional
 
 import torch
 from torch import Tensor
@@ -45,6 +49,26 @@ IO_THREADS = 16
 
 class SlowTierError(RuntimeError):
     """The disk tier could not be made, written or read (a full disk, an unwritable folder)."""
+
+
+def default_directory() -> str:
+    """/var/tmp where it can be written, else the system's temp directory."""
+    return "/var/tmp" if os.access("/var/tmp", os.W_OK | os.X_OK) else tempfile.gettempdir()
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the filesystem holding `path` (Linux: the longest mount point above it), or ''."""
+    path, found = os.path.realpath(path), ("", "")
+    try:
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                point = fields[1].replace("\\040", " ")
+                if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(found[0]):
+                    found = (point, fields[2])
+    except OSError:
+        pass
+    return found[1]
 
 
 def _remove(live: dict) -> None:
@@ -63,7 +87,7 @@ class DiskFolder:
     DiskTier), and the threads that read them."""
 
     def __init__(self, parent: Optional[str] = None):
-        self.parent = str(parent) if parent else tempfile.gettempdir()
+        self.parent = str(parent) if parent else default_directory()
         self.tiers: list["DiskTier"] = []
         self.pool: Optional[ThreadPoolExecutor] = None
         self._live = {"path": None, "fds": []}
@@ -82,6 +106,9 @@ class DiskFolder:
         self.close()
         if not os.path.isdir(self.parent):
             raise SlowTierError(f"the slow tier's directory {self.parent} does not exist (--slow_tier_dir)")
+        if filesystem_type(self.parent) in ("tmpfs", "ramfs"):
+            warnings.warn(f"the slow tier's directory {self.parent} is on {filesystem_type(self.parent)}, which is RAM: "
+                          "give --slow_tier_dir on a disk", stacklevel=2)
         try:
             self._live["path"] = tempfile.mkdtemp(prefix=f"specache-{os.getpid()}-", dir=self.parent)
             free = shutil.disk_usage(self.path).free
@@ -105,7 +132,7 @@ class DiskFolder:
             tier.fd = None
         _remove(self._live)
 
-    def fail(self, error: OSError, doing: str) -> None:
+    def fail(self, error: OSError, doing: str) -> NoReturn:
         """Remove the files and raise one clear SlowTierError for `error`."""
         where = self.path or self.parent
         self.close()
@@ -138,6 +165,7 @@ class PendingRead(NamedTuple):
     futures: list[Future]
     reused: Tensor
     source: Optional[Tensor]
+    held: Optional[tuple]
 
 
 def _gather(tier: "DiskTier", rows: Tensor, out: Tensor) -> None:
@@ -164,13 +192,14 @@ class DiskTier:
 
     def open(self, fd: int) -> None:
         self.fd = fd
-        self.mapped()  # a filesystem that cannot map files fails here, when the generation begins
-        self.reset()
+        with warnings.catch_warnings():  # torch warns, once per process, that the map is read-only: it is meant to be
+            warnings.simplefilter("ignore")
+            self.mapped()  # and a filesystem that cannot map files fails here, when the generation begins
 
     def mapped(self) -> Tensor:
-        """The file as (B x T, Hkv, 2, D), through a fresh copy-on-write map: reads share the page
-        cache, and nothing written to it could reach the file."""
-        mapping = mmap.mmap(self.fd, self.nbytes(), access=mmap.ACCESS_COPY)
+        """The file as (B x T, Hkv, 2, D), through a fresh read-only map (shared with the page cache;
+        a private writable one would be charged against the memory the kernel commits)."""
+        mapping = mmap.mmap(self.fd, self.nbytes(), access=mmap.ACCESS_READ)
         mapping.madvise(mmap.MADV_RANDOM)  # no readahead around scattered positions
         return torch.frombuffer(mapping, dtype=self.dtype).view(-1, self.n_kv_heads, 2, self.head_dim)
 
@@ -224,20 +253,24 @@ class DiskTier:
                         for rows, out in zip((wanted + b * self.capacity).chunk(jobs), staging.chunk(jobs))]
             staged.append((wanted, staging))
             self.bytes_read += wanted.numel() * self.position_bytes
-        return PendingRead(positions, valid, staged, futures, reused, source)
+        return PendingRead(positions, valid, staged, futures, reused, source, held)
 
     def finish_read(self, pending: PendingRead, kind: str) -> tuple[Tensor, Tensor]:
-        """Wait for `pending`'s reads: the pairs k, v (B, Hkv, K, D) at its positions (what invalid
-        positions hold is undefined)."""
-        for future in pending.futures:
-            future.result()
+        """Wait for `pending`'s reads: the pairs k, v (B, Hkv, K, D) at its positions, zeros where a
+        position is not valid (the attention weighs those slots by exactly 0, and 0 x NaN would
+        still be NaN)."""
+        try:
+            for future in pending.futures:
+                future.result()
+        except OSError as error:
+            self.folder.fail(error, "reading")
         shape = (*pending.positions.shape, self.head_dim)
-        k, v = torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype)
+        k, v = torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)
         if pending.source is not None:
-            held = self.held[kind]
             index = pending.source.unsqueeze(-1).expand(shape)
-            k.copy_(held[2].gather(2, index))
-            v.copy_(held[3].gather(2, index))
+            keep = pending.reused.unsqueeze(-1)
+            k = torch.where(keep, pending.held[2].gather(2, index), k)
+            v = torch.where(keep, pending.held[3].gather(2, index), v)
         heads = torch.arange(self.n_kv_heads).unsqueeze(-1)
         for b, entry in enumerate(pending.staged):
             if entry is None:

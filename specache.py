@@ -44,12 +44,12 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from disk_tier import DiskFolder, DiskTier
 from kernels import lowbit_cpu
 from kernels.attention import (Segments, drop_from_lowbit, lowbit_part, merge_softmax, merged_output,
                                over_query_heads, positions_mask, query_rows, row_position_weights, select_top_k)
 from kernels.quant import LEVELS, LowBitKV, quantize_keys, quantize_values, sixteen_bit_dtype, value_group
 from model import CausalPrompt, RingKVCache, Transformer, attention
-from disk_tier import DiskFolder, DiskTier
 from offload import PinnedTier, RamTier
 from selection import GUESSES, parse_select, queries_disagree, select_name
 from specache_stats import DIAGNOSTICS, cache_stats, diagnose, exact_real_row_probs, fast_tier_plan, step_bytes
@@ -74,7 +74,7 @@ class SpeCacheConfig:
     reuse: bool = True  # do not read again what the previous prefetch held
     oracle: Optional[str] = None  # diagnostics: "error" or "mass", chosen with exact scores from the slow tier
     stats: bool = False  # also measure recall and exact-mass coverage (extra scoring passes per layer)
-    overlap_fetch: bool = True  # GPU: False waits for each fetch as soon as it starts (what overlap buys)
+    overlap_fetch: bool = True  # GPU or disk: False waits for each fetch as soon as it starts (what overlap buys)
     pair_dtype: Optional[torch.dtype] = None  # the exact pairs' dtype; None: 16-bit (see above)
     slow_tier: str = "ram"  # CPU: "ram", or "disk" (a file per layer, disk_tier.py); beside a GPU, host RAM
     slow_tier_dir: Optional[str] = None  # disk: where its folder goes (None: the system's temp directory)
@@ -390,7 +390,7 @@ class SpeCacheLayer(nn.Module):
     def choose_prefetch(self, weights: Tensor) -> None:
         """kappa_{t+1}: the top-k_spec positions of the last row's weights (B, Hkv, T), among those
         quantized by the next step and not sinks; the tier moves their pairs into the prefetch slots
-        (a CPU within this step, a GPU in the background after the layer)."""
+        (RAM within this step; a GPU or the disk in the background after the layer)."""
         t = weights.shape[-1]
         position = torch.arange(t, device=weights.device)
         candidates = (position < self.state.selectable_len[:, None, None]) & (position >= self.n_sinks)
@@ -528,7 +528,7 @@ class SpeCache:
     @torch.no_grad()
     def run(self, model: Transformer, tokens: Tensor, input_pos: Tensor, kind: Pass) -> Tensor:
         """One pass of the new rows through every layer, with each tier's hand-offs around its layer
-        (nothing on a CPU, whose tier moves pairs within the layer's step)."""
+        (nothing with the slow tier in a CPU's RAM, whose moves happen within the layer's step)."""
         x = model.embed(tokens)
         state = self.state
         for layer, freqs_cis in zip(model.layers, model.rope(input_pos)):

@@ -26,7 +26,11 @@ Also: the paper's Table 4 (speculative against not) is `specache-1bit` against
 starts: what overlapping the host-to-GPU fetch buys (on a CPU the fetch is a gather inside the
 step, so that row is left out there). HF transformers' `generate` with its DynamicCache and, when
 optimum-quanto is installed, its QuantizedCache (quanto, 2 bits) run batch 1, same prompt and dtype
-(embedded model only).
+(embedded model only). On a CPU, llama.cpp (llama-cpp-python, `pip install -r
+requirements-bench.txt`, else its rows are skipped with a note) runs the GGUF the default model
+comes from, same prompt, torch's thread count, batch 1: its own prefill, then greedy steps timed
+one by one (median), with an f16 KV cache and, up to --llama_cpp_q4_kv_max, a q4_0 one (flash
+attention); its bytes per step are the GGUF file and its KV cache.
 
 Long contexts with SpeCache's slow tier on disk, a Llama-3-8B shape at 64k-128k with int8 weights
 and synthetic K and V (no prefill), cold and warm page cache: `scripts/bench_disk.py`.
@@ -43,6 +47,7 @@ step against context, batch 1).
 """
 import argparse
 import gc
+import importlib.util
 import statistics
 import sys
 import time
@@ -214,6 +219,44 @@ def bench_hf(hf_model, prompt: list[int], new_tokens: int, step_bytes: int, cach
                 bandwidth=bandwidth, fast=None, slow=None, prefill=first - clock.times[0])
 
 
+def bench_llama_cpp(gguf: Path, prompt: list[int], new_tokens: int, quantized_kv: bool) -> dict:
+    """llama.cpp (llama-cpp-python) on the GGUF the default model comes from: the same prompt
+    prefilled, then `new_tokens` greedy steps, each timed; torch's thread count. Its KV cache in
+    f16 (no flash attention), or with `quantized_kv` in q4_0 (which needs flash attention)."""
+    import llama_cpp
+    import numpy as np
+
+    kv_type = llama_cpp.GGML_TYPE_Q4_0 if quantized_kv else llama_cpp.GGML_TYPE_F16
+    threads = torch.get_num_threads()
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=len(prompt) + new_tokens + 8, n_batch=512, n_threads=threads,
+                          n_threads_batch=threads, flash_attn=quantized_kv, type_k=kv_type, type_v=kv_type,
+                          verbose=False)
+    bandwidth_before = measure_read_bandwidth()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    prefill = time.perf_counter() - t0
+    token, steps = int(np.argmax(llm.scores[llm.n_tokens - 1])), []
+    for _ in range(new_tokens):
+        t0 = time.perf_counter()
+        llm.eval([token])
+        steps.append(time.perf_counter() - t0)
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    bandwidth = (bandwidth_before + measure_read_bandwidth()) / 2
+    seconds_per_step = statistics.median(steps)
+    c = llm.metadata
+    layers, kv_heads = int(c["llama.block_count"]), int(c["llama.attention.head_count_kv"])
+    head_dim = int(c["llama.embedding_length"]) // int(c["llama.attention.head_count"])
+    kv_bytes = 2 * layers * kv_heads * head_dim * (len(prompt) + new_tokens // 2) * (18 / 32 if quantized_kv else 2)
+    step_bytes = gguf.stat().st_size + kv_bytes  # the file is the weights, bar a small header
+    llm.close()
+    return dict(ms_per_step=1e3 * seconds_per_step, tok_s=1 / seconds_per_step, gbps=step_bytes / seconds_per_step / 1e9,
+                bandwidth=bandwidth, fast=kv_bytes, slow=None, prefill=prefill)
+
+
+def llama_cpp_available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
 def quanto_available() -> bool:
     try:
         import optimum.quanto  # noqa: F401
@@ -294,6 +337,12 @@ def main() -> None:
                         help="also find each method's largest batch at each length, and its tok/s")
     parser.add_argument("--max_batch_cap", type=int, default=64, help="the largest batch --max_batch tries")
     parser.add_argument("--no_hf", action="store_true", help="skip HF transformers")
+    parser.add_argument("--no_llama_cpp", action="store_true",
+                        help="skip llama.cpp (its rows run on a CPU for the default model, its int8 and int4 files, "
+                             "when llama-cpp-python is installed: pip install -r requirements-bench.txt)")
+    parser.add_argument("--llama_cpp_q4_kv_max", type=int, default=4096, metavar="N",
+                        help="also time llama.cpp's q4_0 KV cache (with flash attention) up to this context "
+                             "(default 4096: at 16k its prefill did not finish in 15 minutes on a 2-core CPU); 0: never")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the report files go (default docs/results)")
     args = parser.parse_args()
 
@@ -322,6 +371,13 @@ def main() -> None:
             hf_methods.append(("HF QuantizedCache (quanto 2-bit)", "quantized"))
         else:
             print("optimum-quanto is not installed: HF QuantizedCache skipped", file=sys.stderr)
+    default = None if args.random_weights else prepare_default_checkpoint()
+    llama_rows = not (args.no_llama_cpp or args.random_weights or device.type != "cpu") and all(
+        c.parent == default.parent for c in checkpoints)
+    if llama_rows and not llama_cpp_available():
+        print("llama-cpp-python is not installed (pip install -r requirements-bench.txt): llama.cpp rows skipped",
+              file=sys.stderr)
+        llama_rows = False
     rows, largest = [], []
     for checkpoint in checkpoints:
         if checkpoint is None:
@@ -340,7 +396,7 @@ def main() -> None:
                                      **measured))
                     print(f"  {length} x{batch} {method}{label}: {measured['ms_per_step']:.1f} ms/step",
                           file=sys.stderr)
-    for length in args.lengths if args.max_batch or hf_methods else []:  # the last checkpoint's model
+    for length in args.lengths if args.max_batch or hf_methods or llama_rows else []:  # the last checkpoint's model
         prompt = prompt_of_length(length, model.config.vocab_size)
         prefilled = runner.prefill(prompt, args.new_tokens) if args.max_batch else None
         for method in names if args.max_batch else []:
@@ -354,9 +410,15 @@ def main() -> None:
             measured = bench_hf(hf, prompt, args.new_tokens, step_bytes, implementation)
             rows.append(dict(length=length, batch=1, method=name, **measured))
             print(f"  {length} x1 {name}: {measured['ms_per_step']:.1f} ms/step", file=sys.stderr)
+        for quantized_kv in [False, True][: 1 + (length <= args.llama_cpp_q4_kv_max)] if llama_rows else []:
+            name = "llama.cpp, q4_0 KV (flash attention)" if quantized_kv else "llama.cpp, f16 KV"
+            measured = bench_llama_cpp(find_default_gguf(), prompt, args.new_tokens, quantized_kv)
+            rows.append(dict(length=length, batch=1, method=name, **measured))
+            print(f"  {length} x1 {name}: {measured['ms_per_step']:.1f} ms/step", file=sys.stderr)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
     markdown = table(rows, f"{model_name}, {args.dtype}, greedy, {args.new_tokens} decode steps, compiled (ours), "
-                           f"k = {args.topk}, {where}. Prefill: ours, batch 1, shared by our methods; HF's own.")
+                           f"k = {args.topk}, {where}. Prefill: ours, batch 1, shared by our methods; HF's and llama.cpp's "
+                           f"their own. llama.cpp: {'the GGUF the default model comes from' if llama_rows else 'not run'}.")
     if largest:
         markdown += "\n\n" + max_batch_table(largest, args.max_batch_cap)
     print(markdown)
