@@ -38,6 +38,7 @@ import argparse
 import ctypes
 import mmap
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -127,7 +128,8 @@ def run_one(model, method: str, overlap: bool, length: int, steps: int, slow_tie
         starts.append(time.perf_counter())
         done = len(starts) - 1  # decode steps so far
         if done in (WARMUP, WARMUP + steps, WARMUP + 2 * steps):
-            marks[done] = dict(read=read_so_far(), rss=memory_status("VmRSS"),
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            marks[done] = dict(read=read_so_far(), rss=memory_status("VmRSS"), user=usage.ru_utime, system=usage.ru_stime,
                                cached=sum(page_cache_bytes(t.fd, t.nbytes()) for t in tiers if t.fd is not None))
         if not full and done >= WARMUP + steps:
             cache.folder.drop_page_cache()
@@ -145,11 +147,13 @@ def run_one(model, method: str, overlap: bool, length: int, steps: int, slow_tie
         first = WARMUP + i * steps
         seconds = statistics.median(starts[j + 1] - ends[j] for j in range(first, first + steps))
         read = 0 if full else (marks[first + steps]["read"] - marks[first]["read"]) / steps
+        cpu = {kind: (marks[first + steps][kind] - marks[first][kind]) / steps for kind in ("user", "system")}
         rows.append(dict(length=length, method=method + ("" if full else ("" if overlap else ", fetch waited")),
                          overlap=overlap, cache=phase if not full else "RAM", ms_per_step=1e3 * seconds,
                          rss=marks[first + steps]["rss"], fast=fast, slow=0 if full else cache.folder.nbytes(),
                          disk_read=read, page_cache=marks[first]["cached"] if phase == "warm" else 0,
-                         gbps=ram_bytes / seconds / 1e9, bandwidth=bandwidth))
+                         gbps=ram_bytes / seconds / 1e9, bandwidth=bandwidth, user_cpu=cpu["user"],
+                         system_cpu=cpu["system"]))
     release_caches(model)
     return rows
 
@@ -174,11 +178,13 @@ def try_full_cache(model, length: int) -> str:
 
 def table(rows: list[dict], title: str) -> str:
     lines = [title, "", "| context | method | pages | ms/step | tok/s | resident GB | fast-tier MB | slow tier GB "
-             "(disk) | read from disk MB/step | store in page cache GB | RAM GB/s | % of bw |", "|---" * 12 + "|"]
+             "(disk) | read from disk MB/step | store in page cache GB | CPU s/step: user, system | RAM GB/s | % of bw |",
+             "|---" * 13 + "|"]
     for r in rows:
         lines.append(f"| {r['length']} | {r['method']} | {r['cache']} | {r['ms_per_step']:.0f} | "
                      f"{1e3 / r['ms_per_step']:.2f} | {r['rss'] / 1e9:.2f} | {r['fast'] / 1e6:.0f} | "
                      f"{r['slow'] / 1e9:.1f} | {r['disk_read'] / 1e6:.1f} | {r['page_cache'] / 1e9:.1f} | "
+                     f"{r['user_cpu']:.2f}, {r['system_cpu']:.2f} | "
                      f"{r['gbps']:.1f} | {100 * r['gbps'] / r['bandwidth']:.0f}% |")
     return "\n".join(lines)
 
@@ -292,11 +298,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                         help="activations and the embedding (weights are int8)")
     parser.add_argument("--no_full", action="store_true", help="skip the full cache even where it fits")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's compute threads (default: torch's, the cores); fewer leave cores to the I/O")
     parser.add_argument("--slow_tier_dir", default=None, help="where the disk tier's files go (default: temp)")
     parser.add_argument("--layout", action="store_true", help="time the file layouts and read methods instead")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "disk", help="where the report files go")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     if args.layout:
         with tempfile.TemporaryDirectory(dir=args.slow_tier_dir) as folder:
