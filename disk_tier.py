@@ -13,7 +13,7 @@ and a context whose 16-bit cache does not fit in memory can still be decoded.
   pool of I/O threads (torch releases the GIL, so their page faults run side by side); positions
   in one page cost one fault, and MADV_RANDOM stops readahead around them. Each thread maps the
   file for its share of one read only, so the pages it touched do not stay in the process's
-  resident memory. A layer's cold fetch took 0.6x the time of os.preadv over runs of adjacent
+  resident memory. A layer's cold fetch took 0.67-0.8x the time of os.preadv over runs of adjacent
   positions from the same threads (scripts/bench_disk.py --layout). A disk error while reading
   through a map is a SIGBUS, which ends the process; a filesystem that cannot map files is
   refused when the generation begins.
