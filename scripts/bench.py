@@ -231,16 +231,21 @@ def bench_llama_cpp(gguf: Path, prompt: list[int], new_tokens: int, quantized_kv
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=len(prompt) + new_tokens + 8, n_batch=512, n_threads=threads,
                           n_threads_batch=threads, flash_attn=quantized_kv, type_k=kv_type, type_v=kv_type,
                           verbose=False)
+    vocab = llm.n_vocab()
+
+    def greedy() -> int:  # the last token's logits (Llama.scores keeps them only with logits_all, for every token)
+        return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))))
+
     bandwidth_before = measure_read_bandwidth()
     t0 = time.perf_counter()
     llm.eval(prompt)
     prefill = time.perf_counter() - t0
-    token, steps = int(np.argmax(llm.scores[llm.n_tokens - 1])), []
+    token, steps = greedy(), []
     for _ in range(new_tokens):
         t0 = time.perf_counter()
         llm.eval([token])
+        token = greedy()
         steps.append(time.perf_counter() - t0)
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
     bandwidth = (bandwidth_before + measure_read_bandwidth()) / 2
     seconds_per_step = statistics.median(steps)
     c = llm.metadata

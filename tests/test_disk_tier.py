@@ -178,7 +178,9 @@ def test_a_real_process_stopped_while_it_runs_leaves_nothing_behind(sent, code, 
     process = subprocess.Popen(
         [sys.executable, "generate.py", "--specache", "--slow_tier", "disk", "--slow_tier_dir", str(tmp_path),
          "--prompt", "Once upon a time " * 80, "--max_new_tokens", "2000", "--max_seq_length", "2400",
-         "--temperature", "0"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+         "--temperature", "0"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        # a test run started in the background (`cmd &`) ignores SIGINT, and its children would inherit that
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not any(folder.is_dir() and any(folder.iterdir()) for folder in tmp_path.iterdir()):
