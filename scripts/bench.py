@@ -383,6 +383,7 @@ def main() -> None:
         print("llama-cpp-python is not installed (pip install -r requirements-bench.txt): llama.cpp rows skipped",
               file=sys.stderr)
         llama_rows = False
+    llama_gguf = find_default_gguf() if llama_rows else None
     rows, largest = [], []
     for checkpoint in checkpoints:
         if checkpoint is None:
@@ -417,7 +418,7 @@ def main() -> None:
             print(f"  {length} x1 {name}: {measured['ms_per_step']:.1f} ms/step", file=sys.stderr)
         for quantized_kv in [False, True][: 1 + (length <= args.llama_cpp_q4_kv_max)] if llama_rows else []:
             name = "llama.cpp, q4_0 KV (flash attention)" if quantized_kv else "llama.cpp, f16 KV"
-            measured = bench_llama_cpp(find_default_gguf(), prompt, args.new_tokens, quantized_kv)
+            measured = bench_llama_cpp(llama_gguf, prompt, args.new_tokens, quantized_kv)
             rows.append(dict(length=length, batch=1, method=name, **measured))
             print(f"  {length} x1 {name}: {measured['ms_per_step']:.1f} ms/step", file=sys.stderr)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"

@@ -53,6 +53,12 @@ DISK = [
      "One layer's fetch from a 128k-position file of a Llama-3-8B layer: position-major (disk_tier.py's) against "
      "per-head planes, read with preadv runs or through a memory map (disk_tier.py's)."),
 ]
+PEER = [
+    ("llama_cpp/bench", "SmolLM2-135M: against llama.cpp, a first look", "scripts/bench.py --lengths 1024 4096 ...",
+     "Our float32 model, compiled, with the full cache and SpeCache 1-bit (ours and the paper's selection), "
+     "beside llama.cpp on the Q4_1 GGUF the default model comes from (llama-cpp-python 0.3.36 built without AMX, "
+     "f16 and q4_0 KV caches), same prompt, 2 threads, one run. 'tok/s vs full' is over our full cache."),
+]
 # Measured before the default selection changed: their `specache-Nbit` rows are the paper's rule.
 SECTIONS = [
     ("needle", "Needle in a haystack", "scripts/needle.py",
@@ -119,6 +125,8 @@ def page() -> str:
     parts.append("## The slow tier on disk\n\nSpeCache on a CPU-only machine whose 16-bit cache outgrows RAM "
                  "(docs/method.md#the-slow-tier-on-disk-ours).\n")
     parts += [section(*entry, level=3) for entry in DISK]
+    parts.append("## Against the CPU peer\n\nllama.cpp beside our caches on the same prompt and GGUF.\n")
+    parts += [section(*entry, level=3) for entry in PEER]
     parts.append("## Before the selection changed\n\nThe sections below were measured before the default "
                  "selection changed: their `specache-1bit` and `specache-2bit` rows are the paper's rule, what "
                  "`specache-1bit:paper` names now. The other methods are unchanged.\n")
