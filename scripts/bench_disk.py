@@ -257,7 +257,7 @@ def layout_bench(folder: str, repeats: int = 5) -> str:
         mapping = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
         mapping.madvise(mmap.MADV_RANDOM)
         view = torch.frombuffer(mapping, dtype=torch.uint8).view(-1, size)
-        for future in [pool.submit(lambda part: view[part], part) for part in rows.chunk(IO_THREADS)]:
+        for future in [pool.submit(torch.index_select, view, 0, part) for part in rows.chunk(IO_THREADS)]:
             future.result()
         del view
         mapping.close()
