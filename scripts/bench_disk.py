@@ -39,6 +39,7 @@ import ctypes
 import mmap
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -54,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from caches import FullCache, make_cache  # noqa: E402
 from config import transformer_configs  # noqa: E402
 from disk_tier import IO_THREADS  # noqa: E402
-from generate import generate, weight_bytes  # noqa: E402
+from generate import exit_on_signal, generate, weight_bytes  # noqa: E402
 from scripts.bench import measure_read_bandwidth, random_model, release_caches  # noqa: E402
 from scripts.harness import RESULTS_DIR, write_report  # noqa: E402
 
@@ -304,6 +305,9 @@ def main() -> None:
     parser.add_argument("--layout", action="store_true", help="time the file layouts and read methods instead")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "disk", help="where the report files go")
     args = parser.parse_args()
+    for name in ("SIGTERM", "SIGHUP"):  # a plain kill exits cleanly: the disk tier's files (GBs) go with it
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), exit_on_signal)
     torch.set_grad_enabled(False)
     if args.threads:
         torch.set_num_threads(args.threads)
