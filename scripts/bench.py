@@ -378,7 +378,7 @@ def main() -> None:
             print("optimum-quanto is not installed: HF QuantizedCache skipped", file=sys.stderr)
     default = None if args.random_weights else prepare_default_checkpoint()
     llama_rows = not (args.no_llama_cpp or args.random_weights or device.type != "cpu") and all(
-        c.parent == default.parent for c in checkpoints)
+        c.resolve().parent == default.resolve().parent for c in checkpoints)
     if llama_rows and not llama_cpp_available():
         print("llama-cpp-python is not installed (pip install -r requirements-bench.txt): llama.cpp rows skipped",
               file=sys.stderr)

@@ -55,7 +55,8 @@ DISK = [
 ]
 PEER = [
     ("llama_cpp/bench", "SmolLM2-135M: against llama.cpp, a first look", "scripts/bench.py --lengths 1024 4096 ...",
-     "Our float32 model, compiled, with the full cache and SpeCache 1-bit (ours and the paper's selection), "
+     "Our model with float32, int8 and int4 (groups of 32) weights, compiled, with the full cache and SpeCache 1-bit "
+     "(ours and the paper's selection), "
      "beside llama.cpp on the Q4_1 GGUF the default model comes from (llama-cpp-python 0.3.36 built without AMX, "
      "f16 and q4_0 KV caches), same prompt, 2 threads, one run. 'tok/s vs full' is over our full cache."),
 ]
