@@ -43,6 +43,8 @@ from typing import NamedTuple, NoReturn, Optional
 import torch
 from torch import Tensor
 
+from offload import held_match
+
 # Reads in flight: this box's virtio disk did 12k random 4 KiB reads/s with one, about 50k with 16.
 IO_THREADS = 16
 
@@ -106,9 +108,10 @@ class DiskFolder:
         self.close()
         if not os.path.isdir(self.parent):
             raise SlowTierError(f"the slow tier's directory {self.parent} does not exist (--slow_tier_dir)")
-        if filesystem_type(self.parent) in ("tmpfs", "ramfs"):
-            warnings.warn(f"the slow tier's directory {self.parent} is on {filesystem_type(self.parent)}, which is RAM: "
-                          "give --slow_tier_dir on a disk", stacklevel=2)
+        filesystem = filesystem_type(self.parent)
+        if filesystem in ("tmpfs", "ramfs"):
+            warnings.warn(f"the slow tier's directory {self.parent} is on {filesystem}, which is RAM: give "
+                          "--slow_tier_dir on a disk", stacklevel=2)
         try:
             self._live["path"] = tempfile.mkdtemp(prefix=f"specache-{os.getpid()}-", dir=self.parent)
             free = shutil.disk_usage(self.path).free
@@ -241,7 +244,7 @@ class DiskTier:
         reused, source = torch.zeros_like(valid), None
         held = self.held[kind] if self.reuse else None
         if held is not None and held[0].shape == positions.shape:
-            match = (positions.unsqueeze(-1) == held[0].unsqueeze(-2)) & held[1].unsqueeze(-2)
+            match = held_match(positions, held[0], held[1])
             reused, source = valid & match.any(-1), match.to(torch.uint8).argmax(-1)
         need = valid & ~reused
         staged, futures = [], []

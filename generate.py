@@ -194,7 +194,7 @@ def generate(model: Transformer, cache, prompts: list[list[int]], max_new_tokens
             callback(real)
         _sync(device)
         decode_seconds = time.perf_counter() - t0  # not the cache's finish: a disk tier removes its files there
-    except BaseException:  # Ctrl-C too: the cache still finishes (a disk tier's files go), and the error is the first one
+    except BaseException:  # Ctrl-C too: the cache still finishes (a disk tier's files go); the first error wins
         with contextlib.suppress(Exception):
             cache.finish()
         raise
@@ -456,8 +456,7 @@ def run(args: argparse.Namespace) -> None:
                            select=args.specache_select, topk=args.specache_topk, group=args.specache_group,
                            residual=args.specache_residual, stats=args.specache_stats, budget_tokens=args.budget_tokens,
                            budget_bits=args.specache_bits, sink_tokens=args.sink_tokens, use_flex=use_flex,
-                           **({} if args.cache not in ("specache", "specache-nospec") else
-                              dict(slow_tier=args.slow_tier, slow_tier_dir=args.slow_tier_dir)))
+                           slow_tier=args.slow_tier, slow_tier_dir=args.slow_tier_dir)
     except ValueError as e:
         raise UserError(str(e)) from e
     if args.cache in ("specache", "specache-nospec"):

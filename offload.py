@@ -79,12 +79,18 @@ class RamTier:
         return 2 * self.k.numel() * self.k.element_size()
 
 
+def held_match(positions: Tensor, held_positions: Tensor, held_valid: Tensor) -> Tensor:
+    """match[b, h, i, j]: position i of `positions` (B, Hkv, K) is held, valid, in slot j of
+    held_positions (B, Hkv, K'): what a read with reuse need not read again."""
+    return (positions.unsqueeze(-1) == held_positions.unsqueeze(-2)) & held_valid.unsqueeze(-2)
+
+
 def read_with_reuse(store_k: Tensor, store_v: Tensor, positions: Tensor, valid: Tensor, held_positions: Tensor,
                     held_valid: Tensor, held_k: Tensor, held_v: Tensor) -> int:
     """Host tensors: turn held_k/held_v (B, Hkv, K, D), the pairs of held_positions, into the pairs
     of `positions` (B, Hkv, K), in place, reading from store_k/store_v only the valid positions not
     held already. Returns how many pairs it read."""
-    match = (positions.unsqueeze(-1) == held_positions.unsqueeze(-2)) & held_valid.unsqueeze(-2)  # (B, Hkv, K, K)
+    match = held_match(positions, held_positions, held_valid)
     source = match.to(torch.uint8).argmax(-1, keepdim=True).expand(*positions.shape, held_k.shape[-1])
     reused_k, reused_v = held_k.gather(2, source), held_v.gather(2, source)
     missing = valid & ~match.any(-1)

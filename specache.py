@@ -50,7 +50,7 @@ from kernels.attention import (Segments, drop_from_lowbit, lowbit_part, merge_so
                                over_query_heads, positions_mask, query_rows, row_position_weights, select_top_k)
 from kernels.quant import LEVELS, LowBitKV, quantize_keys, quantize_values, sixteen_bit_dtype, value_group
 from model import CausalPrompt, RingKVCache, Transformer, attention
-from offload import PinnedTier, RamTier
+from offload import PinnedTier, RamTier, held_match
 from selection import GUESSES, parse_select, queries_disagree, select_name
 from specache_stats import DIAGNOSTICS, cache_stats, diagnose, exact_real_row_probs, fast_tier_plan, step_bytes
 
@@ -397,8 +397,7 @@ class SpeCacheLayer(nn.Module):
         kappa_pos, kappa_valid = select_top_k(weights, candidates, self.k_spec)
         new = kappa_valid  # the pairs to read: with reuse, those the previous prefetch did not hold
         if self.config.reuse:
-            new = new & ~((kappa_pos.unsqueeze(-1) == self.kappa_pos.unsqueeze(-2))
-                          & self.kappa_valid.unsqueeze(-2)).any(-1)
+            new = new & ~held_match(kappa_pos, self.kappa_pos, self.kappa_valid).any(-1)
         self.counts[0] += new.sum()
         self.kappa_pos.copy_(kappa_pos)
         self.kappa_valid.copy_(kappa_valid)

@@ -148,14 +148,18 @@ def bench_method(runner: Runner, method: str, prompt: list[int], prefilled, new_
                            callback=lambda tokens: token_times.append(time.perf_counter()))
     bandwidth = (bandwidth_before + measure_read_bandwidth(device)) / 2
     seconds_per_step = statistics.median(b - a for a, b in zip(token_times, token_times[1:]))
-    fast = result.stats.get("fast_tier_bytes")
-    if name == "full":  # all of it is fast tier: K and V in the model's dtype (rings for sliding-window layers)
-        fast = sum(b.nbytes for layer in runner.model.layers for b in layer.attention.kv_cache.buffers())
+    fast = full_cache_bytes(runner.model) if name == "full" else result.stats.get("fast_tier_bytes")
     return dict(ms_per_step=1e3 * seconds_per_step, tok_s=batch / seconds_per_step,
                 gbps=result.decode_bytes / result.decode_steps / seconds_per_step / 1e9, bandwidth=bandwidth,
                 fast=fast, slow=result.stats.get("slow_tier_bytes"),
                 fetched=result.stats.get("bytes_fetched_per_token"),
                 discarded=result.stats.get("prefetch_discarded_share"))
+
+
+def full_cache_bytes(model: Transformer) -> int:
+    """The full cache set up in `model`, all of it fast tier: K and V in the model's dtype (rings for
+    sliding-window layers)."""
+    return sum(b.nbytes for layer in model.layers for b in layer.attention.kv_cache.buffers())
 
 
 def release_caches(model: Transformer) -> None:

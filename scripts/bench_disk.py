@@ -56,19 +56,13 @@ from caches import FullCache, make_cache  # noqa: E402
 from config import transformer_configs  # noqa: E402
 from disk_tier import IO_THREADS  # noqa: E402
 from generate import exit_on_signal, generate, weight_bytes  # noqa: E402
-from scripts.bench import measure_read_bandwidth, random_model, release_caches  # noqa: E402
+from scripts.bench import full_cache_bytes, measure_read_bandwidth, random_model, release_caches  # noqa: E402
 from scripts.harness import RESULTS_DIR, write_report  # noqa: E402
+from scripts.long_run import resident_bytes  # noqa: E402
 
 METHODS = [("specache-1bit", True), ("specache-1bit", False), ("specache-1bit:paper", True),
            ("specache-1bit:paper", False), ("specache-nospec-1bit", True)]
 WARMUP = 2
-
-
-def memory_status(key: str) -> int:
-    """A /proc/self/status figure (VmRSS, VmHWM) in bytes."""
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith(key + ":"))
-    return int(line.split()[1]) * 1024
 
 
 def mem_total() -> int:
@@ -130,7 +124,7 @@ def run_one(model, method: str, overlap: bool, length: int, steps: int, slow_tie
         done = len(starts) - 1  # decode steps so far
         if done in (WARMUP, WARMUP + steps, WARMUP + 2 * steps):
             usage = resource.getrusage(resource.RUSAGE_SELF)
-            marks[done] = dict(read=read_so_far(), rss=memory_status("VmRSS"), user=usage.ru_utime, system=usage.ru_stime,
+            marks[done] = dict(read=read_so_far(), rss=resident_bytes(), user=usage.ru_utime, system=usage.ru_stime,
                                cached=sum(page_cache_bytes(t.fd, t.nbytes()) for t in tiers if t.fd is not None))
         if not full and done >= WARMUP + steps:
             cache.folder.drop_page_cache()
@@ -140,8 +134,7 @@ def run_one(model, method: str, overlap: bool, length: int, steps: int, slow_tie
     result = generate(model, cache, [[0] * length], WARMUP + len(phases) * steps + 1, temperature=0,
                       first_token=torch.zeros(1, 1, dtype=torch.long), callback=callback)
     bandwidth = (bandwidth_before + measure_read_bandwidth()) / 2
-    fast = (sum(b.nbytes for layer in model.layers for b in layer.attention.kv_cache.buffers()) if full
-            else result.stats["fast_tier_bytes"])
+    fast = full_cache_bytes(model) if full else result.stats["fast_tier_bytes"]
     ram_bytes = weight_bytes(model) + cache.step_bytes([length + WARMUP + steps])
     rows = []
     for i, phase in enumerate(phases):
@@ -320,7 +313,7 @@ def main() -> None:
         return
     model = random_model(args.model, torch.device("cpu"), getattr(torch, args.dtype), int8=True)
     print(f"{args.model} shape, random int8 weights: {weight_bytes(model) / 1e9:.2f} GB; resident "
-          f"{memory_status('VmRSS') / 1e9:.2f} GB; read bandwidth {measure_read_bandwidth():.1f} GB/s", file=sys.stderr)
+          f"{resident_bytes() / 1e9:.2f} GB; read bandwidth {measure_read_bandwidth():.1f} GB/s", file=sys.stderr)
     rows, notes = [], []
     for length in args.lengths:
         fits = try_full_cache(model, length)
