@@ -16,8 +16,10 @@ below; each also plugs a module into every layer's `attention.kv_cache`, see mod
     step_bytes(positions)         KV bytes a step reads, the sequences holding `positions` tokens
     stats(steps)                  tier sizes and the cache's own figures, for --json and the tables
     graph_breaks                  whether a compiled step must split its graph
+    whole_step                    whether a step is one pass of `model.forward` (compile it whole)
 
-Methods are named as the evaluation scripts and generate.py's --cache name them: `full`,
+Methods are named as the evaluation scripts and generate.py's --cache name them: `full` (K, V in
+the model's dtype) or `full-16bit`,
 `specache`, `specache-nospec`, `kivi` (bits and selection from options), or with the bits and an
 optional selection in the name (`specache-1bit`, `specache-2bit:paper`, `kivi-1bit`,
 `specache-nospec-1bit:split,sinks`), and the eviction baselines `streaming` and `h2o`.
@@ -31,24 +33,32 @@ from torch import Tensor
 from eviction import EvictionCache, EvictionConfig, EvictionLayer, EvictionState
 from model import Transformer, create_causal_block_mask
 from selection import parse_select
+from kernels import dense_cpu
+from kernels.quant import sixteen_bit_dtype
 from specache import SpeCache, SpeCacheConfig, SpeCacheLayer, SpeCacheState
 
 KINDS = ("full", "specache", "specache-nospec", "kivi", "streaming", "h2o")
-NAMED_METHODS = ("full", "specache-1bit", "specache-2bit", "specache-nospec-1bit", "specache-nospec-2bit",
+NAMED_METHODS = ("full", "full-16bit", "specache-1bit", "specache-2bit", "specache-nospec-1bit", "specache-nospec-2bit",
                  "kivi-1bit", "kivi-2bit", "streaming", "h2o")
 LOW_BIT_KINDS = ("specache", "specache-nospec", "kivi")
 
 
 class FullCache:
-    """The 16-bit cache of model.py (a ring for sliding-window layers), with FlexAttention's block
-    mask for compiled decode when `use_flex`."""
+    """The full cache of model.py (a ring for sliding-window layers), K and V in the model's dtype or,
+    with `sixteen_bit`, in 16 bits (bfloat16 beside a float32 model); FlexAttention's block mask for
+    compiled decode when `use_flex` (on a CPU, decode reads the cache through kernels/dense_cpu.c)."""
 
     graph_breaks = False
+    whole_step = True
 
-    def __init__(self, model: Transformer, batch_size: int, max_seq_length: int, use_flex: bool = False):
-        model.setup_caches(batch_size, max_seq_length)
+    def __init__(self, model: Transformer, batch_size: int, max_seq_length: int, use_flex: bool = False,
+                 sixteen_bit: bool = False):
+        model.setup_caches(batch_size, max_seq_length,
+                           sixteen_bit_dtype(model.tok_embeddings.weight.dtype) if sixteen_bit else None)
         device = model.tok_embeddings.weight.device
         self.model = model
+        # a CPU's decode reads the cache through kernels/dense_cpu.c by position: no block mask needed
+        use_flex = use_flex and not (device.type == "cpu" and dense_cpu.available())
         self.block_mask = create_causal_block_mask(model.max_seq_length, device) if use_flex else None
 
     def begin(self, tokens: Tensor, lengths: Tensor) -> None:
@@ -71,17 +81,18 @@ class FullCache:
         pass
 
     def step_bytes(self, positions: list[int]) -> int:
-        return full_cache_step_bytes(self.model, positions)
+        return full_cache_step_bytes(self.model, positions, self.model.layers[0].attention.kv_cache.k_cache.element_size())
 
     def stats(self, steps: int) -> dict:
-        return {"cache": "full"}
+        return {"cache": "full", "kv_dtype": str(self.model.layers[0].attention.kv_cache.k_cache.dtype)}
 
 
-def full_cache_step_bytes(model: Transformer, positions: list[int]) -> int:
+def full_cache_step_bytes(model: Transformer, positions: list[int], element_size: Optional[int] = None) -> int:
     """KV bytes a full-cache decode step reads when its sequences hold `positions` tokens each:
-    full-attention layers read every position, sliding-window layers their whole ring."""
+    full-attention layers read every position, sliding-window layers their whole ring (elements of
+    `element_size` bytes, default the model's)."""
     c = model.config
-    per_layer_position = 2 * c.n_local_heads * c.head_dim * model.tok_embeddings.weight.element_size()
+    per_layer_position = 2 * c.n_local_heads * c.head_dim * (element_size or model.tok_embeddings.weight.element_size())
     windows = [c.window(i) for i in range(c.n_layer)]
     return per_layer_position * sum(n if w is None else w for w in windows for n in positions)
 
@@ -89,8 +100,8 @@ def full_cache_step_bytes(model: Transformer, positions: list[int]) -> int:
 def parse_method(method: str) -> tuple[str, Optional[int], Optional[str]]:
     """(kind, bits or None, selection or None) of a method name (see the module docstring)."""
     base, _, select = method.partition(":")
-    named = re.fullmatch(r"(specache|specache-nospec|kivi)-([12])bit", base)
-    kind, bits = (named.group(1), int(named.group(2))) if named else (base, None)
+    named = re.fullmatch(r"(specache|specache-nospec|kivi)-([12])bit|(full)-(16)bit", base)
+    kind, bits = (named.group(1) or named.group(3), int(named.group(2) or named.group(4))) if named else (base, None)
     if kind not in KINDS or (select and kind not in LOW_BIT_KINDS):
         raise ValueError(f"unknown method {method!r}: use one of {', '.join(NAMED_METHODS)}, or "
                          f"{', '.join(LOW_BIT_KINDS)} with the bits as an option; SpeCache and KIVI methods take "
@@ -135,7 +146,7 @@ def make_cache(method: str, model: Transformer, batch_size: int, capacity: int, 
     """
     kind, named_bits, named_select = parse_method(method)
     if kind == "full":
-        return FullCache(model, batch_size, capacity, use_flex)
+        return FullCache(model, batch_size, capacity, use_flex, sixteen_bit=(named_bits or bits) == 16)
     if kind in ("streaming", "h2o"):
         budget = budget_tokens or equal_budget_tokens(model, capacity, SpeCacheConfig(bits=budget_bits, topk=topk))
         return EvictionCache(model, batch_size, capacity, EvictionConfig(kind, budget, sink_tokens))

@@ -184,6 +184,7 @@ class EvictionCache:
     generate.generate (see caches.py for the protocol). Decode steps take one row."""
 
     graph_breaks = False
+    whole_step = True
 
     def __init__(self, model: Transformer, batch_size: int, max_seq_length: int, config: EvictionConfig):
         config.validate()

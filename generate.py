@@ -81,17 +81,29 @@ def pad_prompts(prompts: list[list[int]], device: torch.device) -> tuple[Tensor,
     return tokens, lengths
 
 
-def compile_decode(model: Transformer, fullgraph: bool = True) -> None:
-    """Compile each transformer block and the output head for decode steps.
+def compile_decode(model: Transformer, fullgraph: bool = True, whole_step: bool = False) -> None:
+    """Compile the decode steps: the whole step as one graph, or each transformer block and the head.
 
-    All blocks share one compiled graph (their weights are graph inputs), so compiling takes
-    seconds rather than minutes, and the Python loop between blocks is where SpeCache hands
-    fetches to and from the background; the position is a tensor, so nothing recompiles as it moves.
+    `whole_step`: `model.forward` becomes one graph (on a GPU replayed as a CUDA graph, mode
+    "reduce-overhead"), which removes the per-block dispatch and guard checks: on SmolLM2 at 1k on a
+    2-core CPU, 14.4 against 17.7 ms per step with the full cache and 30.8 against 37.3 with
+    SpeCache, for 0.5-3 minutes of compiling per cache kind and length instead of seconds
+    (docs/RESULTS.md). It serves the caches whose step is one pass of the model (`whole_step` in
+    caches.py): the full cache, the eviction baselines, and SpeCache with its slow tier in a CPU's RAM.
+
+    Per block: all blocks share one compiled graph (their weights are graph inputs), so compiling
+    takes seconds, and the Python loop between blocks is where SpeCache hands fetches to and from
+    the background (a GPU, the disk tier); the position is a tensor, so nothing recompiles as it
+    moves. `fullgraph=False` lets a step split its graph where it must (caches.py: `graph_breaks`).
+
     Each cache kind, row count and capacity is a graph of its own, so a process that compares
-    several (the benchmarks) needs more than dynamo's default of 8 per function. `fullgraph=False`
-    lets a step split its graph where it must (caches.py: `graph_breaks`).
+    several (the benchmarks) needs more than dynamo's default of 8 per function.
     """
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    if whole_step:
+        cuda = model.tok_embeddings.weight.device.type == "cuda"
+        model.compile(fullgraph=True, dynamic=False, mode="reduce-overhead" if cuda else None)
+        return
     for layer in model.layers:
         layer.compile(fullgraph=fullgraph, dynamic=False)
     model.norm.compile(fullgraph=True, dynamic=False)
@@ -267,7 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch_size", type=int, default=None,
                    help="sequences per batch: copies of a single prompt, or the number of prompts given")
     p.add_argument("--num_samples", type=int, default=1, help="how many times to run the generation")
-    p.add_argument("--compile", action="store_true", help="compile the decode step (torch.compile)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the decode step (torch.compile): the whole step as one graph where the cache allows "
+                        "(minutes of compiling, the fastest steps), else each transformer block")
+    p.add_argument("--compile_per_block", action="store_true",
+                   help="with --compile: compile each transformer block instead of the whole step (seconds of "
+                        "compiling, slower steps)")
     p.add_argument("--compile_prefill", action="store_true", help="compile prefill too (dynamic shapes)")
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
@@ -283,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "speculative token), kivi (the low-bit copy alone, nothing fetched), or the eviction "
                         "baselines streaming (StreamingLLM: sinks + newest) and h2o (heavy hitters + newest)")
     g.add_argument("--specache", action="store_true", help="same as --cache specache")
+    g.add_argument("--full_16bit", action="store_true",
+                   help="--cache full: keep K and V in 16 bits (bfloat16 beside a float32 model), half the bytes a step "
+                        "reads (default: the model's dtype)")
     g.add_argument("--specache_bits", type=int, default=1, help="bits of the low-bit KV copy: 1 or 2 (default 1)")
     g.add_argument("--specache_group", type=int, default=64,
                    help="g: tokens per key group, channels per value group (default 64)")
@@ -346,6 +366,10 @@ def validate_args(args: argparse.Namespace) -> None:
         raise UserError("--slow_tier_dir needs --slow_tier disk")
     if args.slow_tier_dir and not os.path.isdir(args.slow_tier_dir):
         raise UserError(f"the slow tier's directory {args.slow_tier_dir} does not exist (--slow_tier_dir)")
+    if args.full_16bit and args.cache != "full":
+        raise UserError(f"--full_16bit applies to --cache full, not {args.cache}")
+    if args.compile_per_block and not args.compile:
+        raise UserError("--compile_per_block goes with --compile")
     if args.budget_tokens is not None and args.cache not in EVICTION_CACHES:
         raise UserError(f"--budget_tokens applies to --cache streaming or h2o, not {args.cache}")
 
@@ -452,7 +476,7 @@ def run(args: argparse.Namespace) -> None:
             f"{model.config.block_size}; quality may drop past it")
     use_flex = args.compile and flex_attention_available(device) and args.cache == "full"
     try:
-        cache = make_cache(args.cache, model, len(prompts), max_seq_length, bits=args.specache_bits,
+        cache = make_cache("full-16bit" if args.full_16bit else args.cache, model, len(prompts), max_seq_length, bits=args.specache_bits,
                            select=args.specache_select, topk=args.specache_topk, group=args.specache_group,
                            residual=args.specache_residual, stats=args.specache_stats, budget_tokens=args.budget_tokens,
                            budget_bits=args.specache_bits, sink_tokens=args.sink_tokens, use_flex=use_flex,
@@ -470,8 +494,8 @@ def run(args: argparse.Namespace) -> None:
             f"under {cache.folder.parent} that goes when each generation ends")
     if args.cache != "full" and args.compile_prefill:
         log(f"Note: --compile_prefill is ignored with --cache {args.cache} (its prefill picks what to keep in Python)")
-    if args.compile:
-        compile_decode(model, fullgraph=not cache.graph_breaks)  # a fetch waited inside a layer splits the graph
+    if args.compile:  # a fetch waited inside a layer splits the graph
+        compile_decode(model, fullgraph=not cache.graph_breaks, whole_step=cache.whole_step and not args.compile_per_block)
     stream = len(prompts) == 1 and not args.json
     runs = ([-1] if args.compile or args.compile_prefill else []) + list(range(args.num_samples))
     results = []

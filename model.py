@@ -23,7 +23,7 @@ Conventions
   `specache.py` plugs in its own per-layer cache through the same call.
 """
 import math
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from config import ModelArgs, find_multiple
+from kernels import dense_cpu
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -97,16 +98,26 @@ class CausalPrompt:
         self.lengths = lengths
 
 
+class CausalDecode(NamedTuple):
+    """The mask of new rows at positions input_pos (B, S) over the cache: each sees the keys up to its
+    own position. `visible` is that as a boolean (B, 1, S, T) mask for SDPA; the full cache's CPU
+    kernel reads the positions instead (kernels/dense_cpu.py). A plain boolean tensor is any mask."""
+    visible: Tensor
+
+
 CAUSAL_PROMPT = CausalPrompt()
-Mask = Union["BlockMask", Tensor, CausalPrompt]
+Mask = Union["BlockMask", Tensor, CausalPrompt, CausalDecode]
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
     """Softmax attention of q (B, H, S, D) over k, v (B, Hkv, T, D); GQA handled by the kernel.
 
-    `mask` is a BlockMask (FlexAttention), a boolean (B, 1, S, T) tensor (SDPA), or a CausalPrompt.
+    `mask` is a BlockMask (FlexAttention), a boolean (B, 1, S, T) tensor (SDPA), a CausalDecode (its
+    boolean mask), or a CausalPrompt.
     """
     gqa = q.shape[1] != k.shape[1]
+    if isinstance(mask, CausalDecode):
+        mask = mask.visible
     if isinstance(mask, CausalPrompt):
         seqlen = q.shape[2]
         return F.scaled_dot_product_attention(q, k[:, :, :seqlen], v[:, :, :seqlen], is_causal=True, enable_gqa=gqa)
@@ -146,7 +157,7 @@ def prompt_attention(q: Tensor, k: Tensor, v: Tensor, window: Optional[int]) -> 
 
 
 class KVCache(nn.Module):
-    """The full cache: every position's K and V in the model's dtype, preallocated."""
+    """The full cache: every position's K and V, preallocated, in the model's dtype or in 16 bits."""
 
     def __init__(self, max_batch_size: int, max_seq_length: int, n_heads: int, head_dim: int, dtype: torch.dtype,
                  device: Union[str, torch.device, None] = None):
@@ -158,17 +169,24 @@ class KVCache(nn.Module):
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v (B, Hkv, S, D) at per-sequence positions input_pos (B, S)."""
         batch = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
-        self.k_cache[batch, :, input_pos] = k.transpose(1, 2)
-        self.v_cache[batch, :, input_pos] = v.transpose(1, 2)
+        self.k_cache[batch, :, input_pos] = k.transpose(1, 2).to(self.k_cache.dtype)
+        self.v_cache[batch, :, input_pos] = v.transpose(1, 2).to(self.v_cache.dtype)
         return self.k_cache[: k.shape[0]], self.v_cache[: k.shape[0]]
 
     def ingest_prompt(self, k: Tensor, v: Tensor) -> None:
         """Hold prompts' k, v (B, Hkv, S, D) computed by a prefill elsewhere."""
-        self.k_cache[: k.shape[0], :, : k.shape[2]] = k
-        self.v_cache[: v.shape[0], :, : v.shape[2]] = v
+        self.k_cache[: k.shape[0], :, : k.shape[2]] = k.to(self.k_cache.dtype)
+        self.v_cache[: v.shape[0], :, : v.shape[2]] = v.to(self.v_cache.dtype)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask: Mask) -> Tensor:
+        """Decode on a CPU reads the cache through kernels/dense_cpu.c (up to each row's position, 16-bit
+        elements widened in registers); prefill, GPUs and shapes it does not take go through `attention`."""
         k_all, v_all = self.update(input_pos, k, v)
+        causal = isinstance(mask, CausalDecode) or (BlockMask is not None and isinstance(mask, BlockMask))
+        if causal and dense_cpu.takes(q, k_all):
+            return dense_cpu.dense_decode_attention(q.float(), k_all, v_all, input_pos).to(q.dtype)
+        if k_all.dtype != q.dtype:  # a 16-bit cache beside a float32 model
+            k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)
         return attention(q, k_all, v_all, mask)
 
 
@@ -280,13 +298,14 @@ class Transformer(nn.Module):
         if self.config.tie_embeddings and prefix + "output.weight" not in state_dict:
             state_dict[prefix + "output.weight"] = state_dict[prefix + "tok_embeddings.weight"]
 
-    def setup_caches(self, max_batch_size: int, max_seq_length: int) -> None:
-        """Allocate every layer's 16-bit KV cache and the RoPE tables for `max_seq_length` positions:
-        as long as that for full-attention layers, a ring of the window for sliding-window ones.
+    def setup_caches(self, max_batch_size: int, max_seq_length: int, kv_dtype: Optional[torch.dtype] = None) -> None:
+        """Allocate every layer's KV cache (in `kv_dtype`, default the model's) and the RoPE tables for
+        `max_seq_length` positions: as long as that for full-attention layers, a ring of the window
+        for sliding-window ones.
 
         The length is rounded up to FlexAttention's block size.
         """
-        device, dtype = self.tok_embeddings.weight.device, self.tok_embeddings.weight.dtype
+        device, dtype = self.tok_embeddings.weight.device, kv_dtype or self.tok_embeddings.weight.dtype
         max_seq_length = find_multiple(max_seq_length, FLEX_BLOCK_SIZE)
         self.max_seq_length = max_seq_length
         self.max_batch_size = max_batch_size
@@ -330,7 +349,7 @@ class Transformer(nn.Module):
         if input_pos.shape[1] > 1 and int(input_pos[0, 0]) == 0:
             return CAUSAL_PROMPT  # SDPA's causal kernel: 2.5x faster than a boolean mask on CPU
         kv_pos = torch.arange(self.max_seq_length, device=input_pos.device)
-        return (kv_pos <= input_pos.unsqueeze(-1)).unsqueeze(1)
+        return CausalDecode((kv_pos <= input_pos.unsqueeze(-1)).unsqueeze(1))
 
     def forward(self, idx: Tensor, input_pos: Tensor, mask: Optional[Mask] = None,
                 output_index: Optional[Tensor] = None) -> Tensor:

@@ -16,10 +16,12 @@ weights), the lookup keeps the exact table, and the file grows by that copy.
   first). Scales and zeros are stored in fp32 and cast to the model's dtype on load.
 
 The files store this plain layout, not a device's tile format, so one file serves every device.
-At run time a quantized Linear dequantizes inside the step: compiled on a CPU, inductor fuses the
-unpacking, scaling and the multiply-reduce of `model.linear` into one pass that reads the 1- or
-half-byte codes (measured against torch's `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` by
-scripts/bench_quant.py); eager code dequantizes the weight, then multiplies. `dequantize_int8` and
+At run time, on a CPU, a few rows (decode: up to 16) go through kernels/linear_cpu.c, which reads
+each 1- or half-byte code once and widens it in registers, at about the machine's read bandwidth
+(scripts/bench_quant.py measures it against inductor's fused multiply-reduce and torch's
+`_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`); many rows (prefill) dequantize the weight,
+then multiply. Without that kernel, compiled code fuses the unpacking, scaling and the
+multiply-reduce of `model.linear`, and eager code uses torch's kernels. `dequantize_int8` and
 `dequantize_int4` are the plain references the tests hold the modules to.
 """
 import re
@@ -31,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import linear_cpu
 from kernels.quant import pack_bits, unpack_bits
 from model import Linear, Transformer, linear
 
@@ -73,12 +76,17 @@ def dequantize_int4(packed: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
     return (codes.float() * scales.float()[..., None] + zeros.float()[..., None]).view(out_features, in_features)
 
 
+def few_rows_on_cpu(x: Tensor) -> bool:
+    """Whether kernels/linear_cpu.c takes x: a CPU tensor of a few rows (decode), the kernel built."""
+    return x.device.type == "cpu" and x.shape[:-1].numel() <= linear_cpu.MAX_ROWS and linear_cpu.available()
+
+
 class Int8Linear(nn.Module):
     """A Linear whose weight is int8 codes with one scale per output channel.
 
-    Compiled (and on a GPU) the codes are cast and multiplied in the step, which inductor fuses into
-    one pass over the 1-byte codes. Eager on a CPU: torch's `_weight_int8pack_mm` for a few rows
-    (decode); for many (prefill), where it is slow, the dequantized weight and a matmul.
+    On a CPU: kernels/linear_cpu.c for up to 16 rows (decode); for more (prefill) the dequantized
+    weight and a matmul. Without that kernel, or on a GPU, the codes are cast and multiplied in the
+    step, which inductor fuses into one pass over them; eager CPU code uses `_weight_int8pack_mm`.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None):
@@ -93,8 +101,12 @@ class Int8Linear(nn.Module):
         return sum(t.nbytes for t in (self.weight, self.scales, self.bias) if t is not None)
 
     def forward(self, x: Tensor) -> Tensor:
+        rows = x.shape[:-1].numel()
+        if few_rows_on_cpu(x):
+            y = linear_cpu.quantized_linear(x.reshape(rows, -1).float(), self.weight, self.scales.float())
+            return self.add_bias(y.to(x.dtype).reshape(*x.shape[:-1], self.out_features))
         eager_cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
-        if eager_cpu and x.shape[:-1].numel() <= 8:  # decode
+        if eager_cpu and rows <= 8:  # decode
             flat = x.reshape(-1, self.in_features)
             y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales.to(x.dtype))
             y = y.reshape(*x.shape[:-1], self.out_features)
@@ -102,17 +114,22 @@ class Int8Linear(nn.Module):
             y = F.linear(x, dequantize_int8(self.weight, self.scales).to(x.dtype))
         else:  # the per-channel scale commutes with the sum over the input, so it applies to the output
             y = linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
-        return y if self.bias is None else y + self.bias.to(x.dtype)
+        return self.add_bias(y)
+
+    def add_bias(self, y: Tensor) -> Tensor:
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 class Int4Linear(nn.Module):
     """A Linear whose weight is 4-bit codes with a scale and zero per group of input channels.
 
-    `pack()` (load_model calls it on the model's device) builds torch's packed int4 layout for
-    `_weight_int4pack_mm_for_cpu` on a CPU or `_weight_int4pack_mm` on a GPU, which take bf16
-    activations and scales: w = (q - 8) * scale + (zero + 8 * scale); packing drops the stored
-    layout, so that the weights are not held twice. Unpacked, the module dequantizes and multiplies
-    (the reference path).
+    On a CPU with kernels/linear_cpu.c, the stored layout stays: up to 16 rows (decode) go through
+    the kernel, more (prefill) dequantize and multiply. Otherwise `pack()` (load_model calls it on
+    the model's device) builds torch's packed int4 layout for `_weight_int4pack_mm_for_cpu` on a CPU
+    or `_weight_int4pack_mm` on a GPU, which take bf16 activations and scales:
+    w = (q - 8) * scale + (zero + 8 * scale); packing drops the stored layout, so that the weights are
+    not held twice. Unpacked and without the kernel, the module dequantizes and multiplies (the
+    reference path).
     """
 
     def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False, device=None):
@@ -136,7 +153,12 @@ class Int4Linear(nn.Module):
 
     def pack(self) -> None:
         """Build the device's packed layout from the stored codes (on a CPU or a CUDA GPU); a shape
-        the packed kernels do not take stays on the reference path."""
+        the packed kernels do not take stays on the reference path. On a CPU with
+        kernels/linear_cpu.c, the stored layout stays, its scales and zeros in float32 as the kernel
+        takes them."""
+        if self.weight.device.type == "cpu" and linear_cpu.available():
+            self.scales, self.zeros = self.scales.float().contiguous(), self.zeros.float().contiguous()
+            return
         if not self.packable():
             return
         codes = unpack_bits(self.weight, 4, self.in_features).to(torch.int32)
@@ -157,7 +179,11 @@ class Int4Linear(nn.Module):
         return sum(t.nbytes for t in tensors + (self.bias,) if t is not None)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.packed is None:
+        if self.packed is None and few_rows_on_cpu(x):
+            y = linear_cpu.quantized_linear(x.reshape(-1, self.in_features).float(), self.weight, self.scales.float(),
+                                            self.zeros.float(), self.groupsize)
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        elif self.packed is None:
             y = linear(x, dequantize_int4(self.weight, self.scales, self.zeros).to(x.dtype))
         else:
             flat = torch.ops.specache.int4_matmul(x.reshape(-1, self.in_features), self.packed, self.groupsize,

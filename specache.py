@@ -460,6 +460,9 @@ class SpeCache:
         self.speculative = config.speculative and config.topk > 0
         self.guess_next: Callable[[Tensor, Tensor, Tensor], Tensor] = GUESSES[config.guess]
         self.graph_breaks = config.splits_graph_on(device)
+        # Beside a GPU and from the disk, fetches are handed to the background between layers; in a
+        # CPU's RAM the tiers move nothing outside the layers, and a step is one pass of the model.
+        self.whole_step = device.type == "cpu" and config.slow_tier == "ram"
 
     def begin(self, tokens: Tensor, lengths: Tensor) -> None:
         """A generation of the prompts `tokens` (B, S, right-padded to `lengths`) starts: every
@@ -527,7 +530,10 @@ class SpeCache:
     @torch.no_grad()
     def run(self, model: Transformer, tokens: Tensor, input_pos: Tensor, kind: Pass) -> Tensor:
         """One pass of the new rows through every layer, with each tier's hand-offs around its layer
-        (nothing with the slow tier in a CPU's RAM, whose moves happen within the layer's step)."""
+        (none with the slow tier in a CPU's RAM, whose moves happen within the layer's step: there it
+        is the model's own pass, which compile_decode can compile whole)."""
+        if self.whole_step:
+            return model(tokens, input_pos, kind)
         x = model.embed(tokens)
         state = self.state
         for layer, freqs_cis in zip(model.layers, model.rope(input_pos)):

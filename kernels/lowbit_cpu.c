@@ -27,10 +27,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
-#define VECTOR 1
-#include <immintrin.h>
-#endif
+
+#include "simd.h"
 
 #define SUB 256          /* positions per sub-chunk, a multiple of 16 */
 #define MAX_D 256        /* largest head_dim (bounds the stack buffers); the Python wrapper checks it */
@@ -51,20 +49,6 @@ typedef struct {
 } Problem;
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-
-static inline float bits_to_float(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
-    if (exponent == 0x1f) return bits_to_float(sign | 0x7f800000 | (mantissa << 13));
-    if (exponent) return bits_to_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
-    const float subnormal = (float)mantissa * 5.9604644775390625e-8f; /* mantissa * 2**-24 */
-    return sign ? -subnormal : subnormal;
-}
 
 static inline float scale_to_float(uint16_t h, int bf16) {
     return bf16 ? bits_to_float((uint32_t)h << 16) : half_to_float(h);
@@ -149,23 +133,6 @@ static void mix_plain(const Problem *p, int64_t bh, int64_t a, int64_t e, float 
     }
 }
 
-/* exp(x) for x <= 0, exactly 0 at -inf: 2**n * e**r with n = round(x / ln 2), |r| <= ln(2) / 2, and
-   Cephes' polynomial for e**r (within ~1e-7 of expf). 0 below -87, where 2**n would leave the
-   normal floats (at most 1e-38 from expf). Plain arithmetic, so that the loops around it vectorize. */
-static inline float exp_plain(float x) {
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* 1.5 * 2**23 rounds */
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float y = 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * (r * r) + r + 1.0f;
-    const float two_n = bits_to_float((uint32_t)((int32_t)(x >= -87.0f ? n : 0.0f) + 127) << 23);
-    return x >= -87.0f ? y * two_n : 0.0f;
-}
-
 /* ------------------------------------------------------------------------------------------
    AVX-512: the same, 16 lanes at a time
    ------------------------------------------------------------------------------------------ */
@@ -173,10 +140,6 @@ static inline float exp_plain(float x) {
 
 #define ROWS 4   /* rows whose key lookups share one shift of the code words */
 #define TILE 64  /* tokens whose value nibbles are built once for all rows */
-
-static inline __mmask16 tail_mask(int64_t left) {
-    return left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
-}
 
 static inline __m512 scales16(const uint16_t *x, int bf16) {
     const __m256i h = _mm256_loadu_si256((const __m256i *)x);
@@ -193,23 +156,6 @@ static inline void nibble_parts(__m512 part[4], int bits) {
     const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
     for (int i = 0; i < 4 / bits; i++)
         part[i] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, i * bits), mask));
-}
-
-/* the exp_plain recipe; scalef also covers the subnormal results */
-static inline __m512 exp_vector(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x); /* below, expf is 0; a NaN x stays NaN */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(y, n);
 }
 
 /* Scores of `rows` rows for n tokens from their tables (lut[r][nibble]) and transposed code words
@@ -430,26 +376,6 @@ static void pick(const Problem *p, ScoreFn *score, MixFn *mix) {
     *mix = mix_any;
 #define PICK(B, D) if (p->bits == B && p->d == D) *score = score_##B##_##D, *mix = mix_##B##_##D;
     SHAPES(PICK)
-#endif
-}
-
-/* w[i] = exp(w[i] - top) in place; returns their sum */
-static float exp_sum(float *w, int64_t n, float top) {
-#ifdef VECTOR
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 lanes = tail_mask(n - i);
-        const __m512 x = _mm512_maskz_mov_ps(lanes, exp_vector(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, w + i),
-                                                                              _mm512_set1_ps(top))));
-        _mm512_mask_storeu_ps(w + i, lanes, x);
-        sum = _mm512_add_ps(sum, x);
-    }
-    return _mm512_reduce_add_ps(sum);
-#else
-    float sum[8] = {0}; /* eight partial sums, so that the loop vectorizes */
-    for (int64_t i = 0; i < n; i++) w[i] = exp_plain(w[i] - top);
-    for (int64_t i = 0; i < n; i++) sum[i % 8] += w[i];
-    return ((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]));
 #endif
 }
 

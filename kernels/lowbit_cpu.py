@@ -28,21 +28,15 @@ exp, relative error ~1e-7) and mixes the values. Work is split over (batch, head
 positions) with OpenMP, on torch's thread count; results do not depend on it. Inference only: the
 op has no autograd formula.
 
-The kernel is compiled at first use with gcc -O3 -march=native -fopenmp into $XDG_CACHE_HOME/specache
-(or ~/.cache/specache), named by a hash of the source, the flags, `gcc --version` and the macros
--march=native defines here (so that a shared home directory never loads another CPU's build), and
-published by an atomic rename. Without AVX-512 the same file builds plain C that runs the same
-tables one lookup at a time. Without gcc, or when the build fails, `available()` is False (with one
+The kernel is compiled at first use (kernels/cpu_build.py). Without AVX-512 the same file builds
+plain C that runs the same tables one lookup at a time. Without gcc, or when the build fails, `available()` is False (with one
 warning) and the reference runs instead; SPECACHE_NO_CPU_KERNEL=1 forces that. The kernel is the
 custom op `specache::lowbit_partial_attention` (with the LowBitKV fields spread out), which
 torch.compile keeps as one opaque call; `run_kernel(load(build(flags)), ...)` runs a given build.
 """
 import ctypes
-import hashlib
 import os
-import shutil
 import subprocess
-import tempfile
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -50,10 +44,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from kernels import cpu_build
 from kernels.quant import SCALE_DTYPES, LowBitKV, dequantize_keys, dequantize_values, value_group
 
 SOURCE = Path(__file__).with_name("lowbit_cpu.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+FLAGS = cpu_build.FLAGS
 MAX_HEAD_DIM = 256  # the C file's MAX_D
 Outputs = tuple[Tensor, Tensor, Tensor, Tensor]
 
@@ -138,27 +133,7 @@ class _Problem(ctypes.Structure):
 
 def build(flags: tuple[str, ...] = FLAGS) -> Path:
     """Compile kernels/lowbit_cpu.c with `flags` into the cache (once) and return the library's path."""
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        raise RuntimeError("gcc not found")
-    run = lambda *args: subprocess.run([gcc, *args], capture_output=True, text=True, check=True).stdout
-    target = run(*flags, "-dM", "-E", "-x", "c", os.devnull)  # the macros -march=native turns on here
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, run("--version"), target]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specache"
-    path = cache / f"lowbit_cpu-{key}.so"
-    if not path.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cache, prefix=path.stem, suffix=".tmp")
-        os.close(fd)
-        try:
-            subprocess.run([gcc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, check=True)
-            os.replace(tmp, path)  # atomic: another process sees no file or a whole one
-        except subprocess.CalledProcessError as error:
-            raise RuntimeError(f"gcc failed:\n{error.stderr}") from error
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return path
+    return cpu_build.build(SOURCE, flags)
 
 
 def load(path: Path) -> ctypes.CDLL:

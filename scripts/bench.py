@@ -69,6 +69,7 @@ from tokenizer import get_tokenizer  # noqa: E402
 
 DEFAULT_METHODS = ["full", "specache-1bit", "specache-2bit", "specache-nospec-1bit", "kivi-1bit"]
 WAITED = "specache-1bit, fetch waited"
+LLAMA_CPP = "llama.cpp, f16 KV"
 
 
 def measure_read_bandwidth(device: torch.device = torch.device("cpu"), gib: float = 0.5, repeats: int = 7) -> float:
@@ -141,7 +142,9 @@ def bench_method(runner: Runner, method: str, prompt: list[int], prefilled, new_
     overlap = method != WAITED
     name = "specache-1bit" if method == WAITED else method
     device = runner.model.tok_embeddings.weight.device
+    t0 = time.perf_counter()
     runner.decode(name, prompt, prefilled, 4, batch, overlap)  # warm-up: compiles this method's graphs
+    compile_seconds = time.perf_counter() - t0
     bandwidth_before = measure_read_bandwidth(device)
     token_times = []  # the decode loops read each token back, so these times are the steps' on a GPU too
     result = runner.decode(name, prompt, prefilled, new_tokens, batch, overlap,
@@ -153,7 +156,7 @@ def bench_method(runner: Runner, method: str, prompt: list[int], prefilled, new_
                 gbps=result.decode_bytes / result.decode_steps / seconds_per_step / 1e9, bandwidth=bandwidth,
                 fast=fast, slow=result.stats.get("slow_tier_bytes"),
                 fetched=result.stats.get("bytes_fetched_per_token"),
-                discarded=result.stats.get("prefetch_discarded_share"))
+                discarded=result.stats.get("prefetch_discarded_share"), compile=compile_seconds)
 
 
 def full_cache_bytes(model: Transformer) -> int:
@@ -275,22 +278,29 @@ def quanto_available() -> bool:
 
 
 def table(rows: list[dict], title: str) -> str:
-    lines = [title, "", "| context | batch | method | prefill s | decode ms/step | tok/s | GB/s | % of bw | fast-tier KV MB "
-             "| slow-tier KV MB | fetched kB/token | prefetch discarded | tok/s vs full |", "|---" * 13 + "|"]
+    """The rows as markdown. Ratios are tok/s over the fastest full cache (`full` or `full-16bit`, any
+    checkpoint) at the same context and batch, and over llama.cpp's f16-KV row at the same context."""
+    lines = [title, "", "| context | batch | method | prefill s | compile s | decode ms/step | tok/s | GB/s | % of bw "
+             "| fast-tier KV MB | slow-tier KV MB | fetched kB/token | prefetch discarded | vs fastest full | vs llama.cpp |",
+             "|---" * 15 + "|"]
     rows = sorted(rows, key=lambda r: (r["length"], r["batch"]))  # stable: methods keep their order
-    full = {}  # the first full cache's (the first checkpoint's when there are several)
+    full, peer = {}, {}
     for r in rows:
-        if r["method"].split(" [")[0] == "full":
-            full.setdefault((r["length"], r["batch"]), r["tok_s"])
+        if r["method"].split(" [")[0] in ("full", "full-16bit"):
+            key = (r["length"], r["batch"])
+            full[key] = max(full.get(key, 0.0), r["tok_s"])
+        if r["method"] == LLAMA_CPP:
+            peer[r["length"]] = r["tok_s"]
     for r in rows:
-        full_tok_s = full.get((r["length"], r["batch"]))
-        ratio = "-" if full_tok_s is None else f"{r['tok_s'] / full_tok_s:.2f}x"
+        ratio = lambda base: "-" if not base else f"{r['tok_s'] / base:.2f}x"
         mb = lambda x: "-" if x is None else f"{x / 1e6:.1f}"
         kb = "-" if r.get("fetched") is None else f"{r['fetched'] / 1e3:.0f}"
         discarded = "-" if r.get("discarded") is None else f"{100 * r['discarded']:.0f}%"
-        lines.append(f"| {r['length']} | {r['batch']} | {r['method']} | {r['prefill']:.1f} | {r['ms_per_step']:.1f} | "
-                     f"{r['tok_s']:.1f} | {r['gbps']:.1f} | {100 * r['gbps'] / r['bandwidth']:.0f}% | {mb(r['fast'])} | "
-                     f"{mb(r['slow'])} | {kb} | {discarded} | {ratio} |")
+        compiled = "-" if r.get("compile") is None else f"{r['compile']:.0f}"
+        lines.append(f"| {r['length']} | {r['batch']} | {r['method']} | {r['prefill']:.1f} | {compiled} | "
+                     f"{r['ms_per_step']:.1f} | {r['tok_s']:.1f} | {r['gbps']:.1f} | {100 * r['gbps'] / r['bandwidth']:.0f}% | "
+                     f"{mb(r['fast'])} | {mb(r['slow'])} | {kb} | {discarded} | {ratio(full.get((r['length'], r['batch'])))} | "
+                     f"{ratio(peer.get(r['length']) if r['batch'] == 1 else None)} |")
     return "\n".join(lines)
 
 
@@ -342,6 +352,9 @@ def main() -> None:
                         help="time a model of this shape with random weights instead of the embedded SmolLM2 "
                              "(speed only; implies --no_hf)")
     parser.add_argument("--topk", type=int, default=64)
+    parser.add_argument("--compile_per_block", action="store_true",
+                        help="on a CPU, compile each transformer block rather than each method's whole step (seconds "
+                             "of compiling rather than minutes per method and length; slower steps)")
     parser.add_argument("--max_batch", action="store_true",
                         help="also find each method's largest batch at each length, and its tok/s")
     parser.add_argument("--max_batch_cap", type=int, default=64, help="the largest batch --max_batch tries")
@@ -349,6 +362,9 @@ def main() -> None:
     parser.add_argument("--no_llama_cpp", action="store_true",
                         help="skip llama.cpp (its rows run on a CPU for the default model, its int8 and int4 files, "
                              "when llama-cpp-python is installed: pip install -r requirements-bench.txt)")
+    parser.add_argument("--llama_cpp_max", type=int, default=16384, metavar="N",
+                        help="run llama.cpp up to this context (default 16384: its prefill of 16k tokens took 3.5 "
+                             "minutes on a 2-core CPU, and grows with the square of the context)")
     parser.add_argument("--llama_cpp_q4_kv_max", type=int, default=4096, metavar="N",
                         help="also time llama.cpp's q4_0 KV cache (with flash attention) up to this context "
                              "(default 4096: at 16k its prefill did not finish in 15 minutes on a 2-core CPU); 0: never")
@@ -394,7 +410,8 @@ def main() -> None:
             model, tokenizer = random_model(args.random_weights, device, dtype), NoTokenizer()
         else:
             model, tokenizer = load_model(checkpoint, device, dtype), get_tokenizer(checkpoint.parent)
-        runner = Runner(model, tokenizer, names, topk=args.topk, compile=True, round_capacity=False)
+        runner = Runner(model, tokenizer, names, topk=args.topk, compile=True, round_capacity=False,
+                        whole_step=not args.compile_per_block)
         label = f" [{checkpoint.name}]" if len(checkpoints) > 1 else ""
         for length in args.lengths:
             prompt = prompt_of_length(length, model.config.vocab_size)
@@ -420,8 +437,9 @@ def main() -> None:
             measured = bench_hf(hf, prompt, args.new_tokens, step_bytes, implementation)
             rows.append(dict(length=length, batch=1, method=name, **measured))
             print(f"  {length} x1 {name}: {measured['ms_per_step']:.1f} ms/step", file=sys.stderr)
-        for quantized_kv in [False, True][: 1 + (length <= args.llama_cpp_q4_kv_max)] if llama_rows else []:
-            name = "llama.cpp, q4_0 KV (flash attention)" if quantized_kv else "llama.cpp, f16 KV"
+        for quantized_kv in [False, True][: 1 + (length <= args.llama_cpp_q4_kv_max)] \
+                if llama_rows and length <= args.llama_cpp_max else []:
+            name = "llama.cpp, q4_0 KV (flash attention)" if quantized_kv else LLAMA_CPP
             measured = bench_llama_cpp(llama_gguf, prompt, args.new_tokens, quantized_kv)
             rows.append(dict(length=length, batch=1, method=name, **measured))
             print(f"  {length} x1 {name}: {measured['ms_per_step']:.1f} ms/step", file=sys.stderr)

@@ -80,7 +80,7 @@ class Runner:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, methods: list[str], topk: int = 64,
                  budget_bits: int = 1, sink_tokens: int = 4, compile: bool = False, round_capacity: bool = True,
-                 chat: bool = True, stats: bool = False):
+                 chat: bool = True, stats: bool = False, whole_step: bool = False):
         self.model, self.tokenizer, self.methods = model, tokenizer, list(methods)
         self.kinds = {method: parse_method(method) for method in methods}  # (kind, bits, selection)
         self.chat = chat  # the scripts' prompts: the chat format, or completion prompts for a base model
@@ -89,11 +89,13 @@ class Runner:
         self.stop_ids = frozenset(tokenizer.stop_ids)
         self.compiled = compile
         self.capacity_step = 1024 if compile and round_capacity else 1
-        if compile:  # one compiled layer serves every method: split its graph if any method's step must
+        if compile:  # one compiled layer serves every method (split its graph if any method's step must),
+            # or with `whole_step` on a CPU each method's whole step (minutes of compiling per method and capacity)
             device = model.tok_embeddings.weight.device
             low_bit = [specache_config(kind, bits, select, topk, stats=stats)
                        for kind, bits, select in self.kinds.values() if kind in LOW_BIT_KINDS]
-            compile_decode(model, fullgraph=not any(c.splits_graph_on(device) for c in low_bit))
+            compile_decode(model, fullgraph=not any(c.splits_graph_on(device) for c in low_bit),
+                           whole_step=whole_step and device.type == "cpu")
 
     def budget(self, capacity: int) -> int:
         return equal_budget_tokens(self.model, capacity, SpeCacheConfig(bits=self.budget_bits, topk=self.topk))

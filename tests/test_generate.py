@@ -1,4 +1,5 @@
 """Generation: cache vs recompute, compiled vs eager, ragged batches, reproducibility."""
+import pytest
 import torch
 
 from conftest import tiny_model
@@ -53,7 +54,9 @@ def test_generation_stops_at_stop_tokens_per_sequence():
     assert stopped[1] == expected_second
 
 
-def test_compiled_flex_decode_matches_eager_and_never_recompiles():
+@pytest.mark.parametrize("whole_step", [False, True])
+def test_compiled_flex_decode_matches_eager_and_never_recompiles(whole_step):
+    """Per block (FlexAttention's block mask, or on a CPU the dense kernel) and the whole step."""
     from torch._dynamo.utils import counters
 
     model = tiny_model()
@@ -61,7 +64,7 @@ def test_compiled_flex_decode_matches_eager_and_never_recompiles():
     eager = generate(model, FullCache(model, 2, 300), prompts, 240, temperature=0)  # crosses blocks 128, 256
     torch._dynamo.reset()
     counters.clear()
-    compile_decode(model)
+    compile_decode(model, whole_step=whole_step)
     flex = FullCache(model, 2, 300, use_flex=True)
     generate(model, flex, [p[:5] for p in prompts], 4, temperature=0)  # compile once
     graphs = counters["stats"]["unique_graphs"]

@@ -31,8 +31,8 @@ def test_shared_prefill_gives_each_method_its_own_generation(layout):
 
     stop = frozenset([5])
     for method in methods:
-        if method == "full":
-            cache = FullCache(model, 1, capacity)
+        if method in ("full", "full-16bit"):
+            cache = FullCache(model, 1, capacity, sixteen_bit=method == "full-16bit")
         elif method in ("streaming", "h2o"):
             cache = EvictionCache(model, 1, capacity, EvictionConfig(method, runner.budget(capacity)))
         else:

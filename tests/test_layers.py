@@ -9,8 +9,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # lowest first; scripts/ sit above everything and are never imported by the core
 LAYERS = [
-    ["kernels.quant"],
-    ["kernels.lowbit_cpu", "kernels.lowbit_triton"],
+    ["kernels.quant", "kernels.cpu_build"],
+    ["kernels.lowbit_cpu", "kernels.lowbit_triton", "kernels.linear_cpu", "kernels.dense_cpu"],
     ["kernels.attention"],
     ["config", "tokenizer"],
     ["model"],

@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from kernels import lowbit_cpu
+from kernels import cpu_build, lowbit_cpu
 from kernels.quant import LowBitKV
 from kernels.lowbit_cpu import lowbit_partial_attention, lowbit_partial_attention_reference
 from kernels.quant import quantize_keys, quantize_values
@@ -146,7 +146,7 @@ def test_public_function_uses_the_kernel_and_the_env_var_forces_the_reference(na
 
 
 def test_without_gcc_available_is_false_with_one_warning(monkeypatch):
-    monkeypatch.setattr(lowbit_cpu.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_build.shutil, "which", lambda name: None)
     lowbit_cpu._library.cache_clear()
     try:
         with pytest.warns(UserWarning, match="unavailable"):

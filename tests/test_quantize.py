@@ -49,7 +49,9 @@ def int4_layer(w, groupsize=32):
     return layer
 
 
-def test_int8_linear_matches_its_reference_eager_and_compiled():
+def test_int8_linear_matches_its_reference_eager_and_compiled(monkeypatch):
+    """torch's and inductor's paths, where kernels/linear_cpu.c is off (tests/test_cpu_kernels.py tests it)."""
+    monkeypatch.setenv("SPECACHE_NO_CPU_KERNEL", "1")
     w, x = torch.randn(80, 64), torch.randn(2, 3, 64)
     layer = int8_layer(w)
     expected = F.linear(x, dequantize_int8(layer.weight, layer.scales))
@@ -60,9 +62,10 @@ def test_int8_linear_matches_its_reference_eager_and_compiled():
     torch.testing.assert_close(compiled(x[:, :2]), expected[:, :2], rtol=1e-5, atol=1e-5)  # fused multiply-reduce
 
 
-def test_packed_int4_linear_matches_its_reference():
-    """torch's packed int4 matmul takes bf16 activations: agreement to bf16's precision (8 bits of
-    mantissa, ~0.4%) of the output's scale."""
+def test_packed_int4_linear_matches_its_reference(monkeypatch):
+    """torch's packed int4 matmul (where kernels/linear_cpu.c is off) takes bf16 activations:
+    agreement to bf16's precision (8 bits of mantissa, ~0.4%) of the output's scale."""
+    monkeypatch.setenv("SPECACHE_NO_CPU_KERNEL", "1")
     w, x = torch.randn(80, 128), torch.randn(2, 3, 128)
     layer = int4_layer(w)
     expected = layer(x)  # unpacked: dequantize, then multiply

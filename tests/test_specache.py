@@ -296,10 +296,12 @@ def test_batch_of_three_prompts_equals_each_alone():
         assert run_specache(model, [prompt], 24, config).tokens[0] == batched.tokens[i]
 
 
-@pytest.mark.parametrize("cache, layout", [("specache", "llama"), ("specache-nospec", "llama"),
-                                           ("specache", "hybrid")])
-def test_compiled_decode_matches_eager_and_never_recompiles(cache, layout):
-    """Hybrid: the sliding-window layers' rings wrap as positions move, in their own graph."""
+@pytest.mark.parametrize("cache, layout, whole_step", [("specache", "llama", False), ("specache-nospec", "llama", False),
+                                                       ("specache", "hybrid", False), ("specache", "llama", True),
+                                                       ("specache", "hybrid", True)])
+def test_compiled_decode_matches_eager_and_never_recompiles(cache, layout, whole_step):
+    """Hybrid: the sliding-window layers' rings wrap as positions move, in their own graph. Whole
+    step: the two-row pass of every layer and the head in one graph."""
     from torch._dynamo.utils import counters
 
     config = SpeCacheConfig(topk=8, speculative=cache == "specache", **SMALL)
@@ -308,7 +310,7 @@ def test_compiled_decode_matches_eager_and_never_recompiles(cache, layout):
     eager = run_specache(model, prompts, 40, config)
     torch._dynamo.reset()
     counters.clear()
-    compile_decode(model)
+    compile_decode(model, whole_step=whole_step)
     run_specache(model, [p[:20] for p in prompts], 3, config, capacity=71 + 40)  # compiles the decode step
     graphs = counters["stats"]["unique_graphs"]
     compiled = run_specache(model, prompts, 40, config)  # positions move, windows flush, kappa changes

@@ -1,0 +1,44 @@
+"""Building the C kernels beside this file (lowbit_cpu.c, linear_cpu.c) at first use.
+
+Each is compiled with gcc -O3 -march=native -fopenmp into $XDG_CACHE_HOME/specache (or
+~/.cache/specache), named by a hash of the source and the headers beside it, the flags, `gcc --version` and the macros
+-march=native defines here (so that a shared home directory never loads another CPU's build), and
+published by an atomic rename, so that concurrent processes see no file or a whole one. The
+kernels' OpenMP threads come from the libgomp that torch has loaded already (one thread pool).
+"""
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+PORTABLE_FLAGS = ("-O3", "-march=x86-64", "-fopenmp", "-shared", "-fPIC")  # what machines without AVX-512 build
+
+
+def build(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Compile `source` with `flags` into the cache (once) and return the library's path."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        raise RuntimeError("gcc not found")
+    run = lambda *args: subprocess.run([gcc, *args], capture_output=True, text=True, check=True).stdout
+    target = run(*flags, "-dM", "-E", "-x", "c", os.devnull)  # the macros -march=native turns on here
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the sources may include
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, *flags, run("--version"), target]).encode())
+    key = key.hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specache"
+    path = cache / f"{source.stem}-{key}.so"
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache, prefix=path.stem, suffix=".tmp")
+        os.close(fd)
+        try:
+            subprocess.run([gcc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, check=True)
+            os.replace(tmp, path)  # atomic: another process sees no file or a whole one
+        except subprocess.CalledProcessError as error:
+            raise RuntimeError(f"gcc failed:\n{error.stderr}") from error
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return path
