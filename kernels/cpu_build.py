@@ -17,15 +17,16 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 PORTABLE_FLAGS = ("-O3", "-march=x86-64", "-fopenmp", "-shared", "-fPIC")  # what machines without AVX-512 build
 
 
-def build(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
-    """Compile `source` with `flags` into the cache (once) and return the library's path."""
-    gcc = shutil.which("gcc")
+def build(source: Path, flags: tuple[str, ...] = FLAGS, compiler: str = "gcc", libraries: tuple[str, ...] = ()) -> Path:
+    """Compile `source` with `flags` (and link `libraries` flags) into the cache (once) and return
+    the library's path."""
+    gcc = shutil.which(compiler)
     if gcc is None:
-        raise RuntimeError("gcc not found")
+        raise RuntimeError(f"{compiler} not found")
     run = lambda *args: subprocess.run([gcc, *args], capture_output=True, text=True, check=True).stdout
     target = run(*flags, "-dM", "-E", "-x", "c", os.devnull)  # the macros -march=native turns on here
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the sources may include
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, *flags, run("--version"), target]).encode())
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, *flags, *libraries, run("--version"), target]).encode())
     key = key.hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specache"
     path = cache / f"{source.stem}-{key}.so"
@@ -34,10 +35,11 @@ def build(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
         fd, tmp = tempfile.mkstemp(dir=cache, prefix=path.stem, suffix=".tmp")
         os.close(fd)
         try:
-            subprocess.run([gcc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, check=True)
+            subprocess.run([gcc, *flags, str(source), "-o", tmp, "-lm", *libraries], capture_output=True, text=True,
+                           check=True)
             os.replace(tmp, path)  # atomic: another process sees no file or a whole one
         except subprocess.CalledProcessError as error:
-            raise RuntimeError(f"gcc failed:\n{error.stderr}") from error
+            raise RuntimeError(f"{compiler} failed:\n{error.stderr}") from error
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

@@ -11,8 +11,8 @@ The weights are quantize.py's layouts:
 A decode step multiplies one row per sequence (two with SpeCache's speculative row) by every
 weight, so its time is the time to read the weights once. kernels/linear_cpu.c reads each weight
 once per call and widens it in registers, at about the machine's read bandwidth where inductor's
-fused multiply-reduce over int8 codes reached a third of it (scripts/bench_kernels.py measures
-both). It is the op `specache::quantized_linear`, one opaque call under torch.compile,
+fused multiply-reduce over int8 codes reached a third of it (scripts/bench_quant.py measures
+every way to run a quantized Linear here). It is the op `specache::quantized_linear`, one opaque call under torch.compile,
 built at first use (kernels/cpu_build.py); without gcc, or when the build fails, `available()` is
 False (with one warning) and the quantized Linears keep their other paths. SPECACHE_NO_CPU_KERNEL=1
 forces that. Results do not depend on the thread count. Inference only: no autograd formula.
@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels import cpu_build
+from kernels import cpu_build, cpu_ops
 
 SOURCE = Path(__file__).with_name("linear_cpu.c")
 MAX_ROWS = 16  # the C file's MAX_ROWS
@@ -98,10 +98,12 @@ def load(path: Path) -> ctypes.CDLL:
 @lru_cache(maxsize=None)
 def _library() -> Optional[ctypes.CDLL]:
     try:
-        return load(build())
+        lib = load(build())
     except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
         warnings.warn(f"specache: the CPU quantized-Linear kernel is unavailable ({error})")
         return None
+    cpu_ops.hand_over("quantized_linear", lib.quantized_linear)  # C++ dispatch where it builds: ~10 us less per call
+    return lib
 
 
 @torch.compiler.assume_constant_result
@@ -136,7 +138,7 @@ def _op(x: Tensor, codes: Tensor, scales: Tensor, zeros: Optional[Tensor], group
 # about 150 of these calls, and custom_op's wrapper costs 13 us more per call (measured here).
 _LIBRARY = torch.library.Library("specache", "FRAGMENT")
 _LIBRARY.define("quantized_linear(Tensor x, Tensor codes, Tensor scales, Tensor? zeros, int group) -> Tensor")
-_LIBRARY.impl("quantized_linear", _op, "CPU")
+_LIBRARY.impl("quantized_linear", _op, "CompositeExplicitAutograd")  # kernels/cpu_ops.cpp overrides it for CPU
 
 
 @torch.library.register_fake("specache::quantized_linear")

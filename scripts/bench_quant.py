@@ -6,7 +6,8 @@ The Linears of SmolLM2-135M's 30 blocks (wqkv folded into one 960x576, wo, w1 an
 3072x576, w2), random weights, `--rows` activation rows (1: batch-1 decode). Per path: ms for the
 whole set (the fastest of --repeats), GB/s over the bytes that path reads, and the speed against
 the fp32 multiply-reduce. Each path is first checked against the float product of its dequantized
-weight (bf16 paths to bf16's precision). quantize.py takes the fastest paths per format from this.
+weight (bf16 paths to bf16's precision). quantize.py takes the fastest paths per format from this
+(kernels/linear_cpu.c, where it builds).
 """
 import argparse
 import sys
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kernels import linear_cpu  # noqa: E402
 from kernels.quant import unpack_bits  # noqa: E402
 from model import linear  # noqa: E402
 from quantize import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8  # noqa: E402
@@ -69,6 +71,8 @@ def main() -> None:
         "_weight_int8pack_mm, fp32": ("int8", lambda i: torch.ops.aten._weight_int8pack_mm(x_of(weights[i]), *int8[i])),
         "_weight_int8pack_mm, bf16": ("int8", lambda i: torch.ops.aten._weight_int8pack_mm(
             x_of(weights[i], torch.bfloat16), int8[i][0], int8[i][1].to(torch.bfloat16))),
+        "int8, kernels/linear_cpu.c": ("int8", lambda i: linear_cpu.quantized_linear(x_of(weights[i]), *int8[i])),
+        "int4, kernels/linear_cpu.c": ("int4", lambda i: linear_cpu.quantized_linear(x_of(weights[i]), *int4[i], 32)),
         "int4 fused dequantize and multiply-reduce, compiled":
             ("int4", lambda i: int4_fused(x_of(weights[i]), *int4[i])),
         "_weight_int4pack_mm_for_cpu, fp32": ("int4", lambda i: torch.ops.aten._weight_int4pack_mm_for_cpu(

@@ -105,12 +105,14 @@ def test_repeated_generations_on_cuda_are_identical(speculative, bits, batch):
     assert generate(cpu, SpeCache(cpu, batch, 130 + 40, config), prompts, 40, temperature=0).tokens == runs[0].tokens
 
 
-def test_full_cache_flex_decode_on_cuda_matches_cpu():
+@pytest.mark.parametrize("whole_step", [False, True])
+def test_full_cache_flex_decode_on_cuda_matches_cpu(whole_step):
+    """Per block, and the whole step replayed as a CUDA graph (mode reduce-overhead)."""
     prompts = prompts_of(40, 200)
     cpu_model = tiny_model()
     expected = generate(cpu_model, FullCache(cpu_model, 2, 300), prompts, 40, temperature=0).tokens
     model = tiny_model().cuda()
-    compile_decode(model)
+    compile_decode(model, whole_step=whole_step)
     assert generate(model, FullCache(model, 2, 300, use_flex=True), prompts, 40, temperature=0).tokens == expected
     torch._dynamo.reset()
 

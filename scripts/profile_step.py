@@ -1,0 +1,103 @@
+"""Where a compiled decode step's time goes, by part, from torch.profiler.
+
+    python scripts/profile_step.py --checkpoint checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/model_int8.pth \\
+        --length 1024 --methods full-16bit specache-1bit specache-1bit:paper
+
+Per method: one random-token prompt of --length tokens prefilled (as scripts/bench.py does), the
+decode step compiled whole (or per block with --compile_per_block), warmed up, then --steps steps
+timed without the profiler (the median step) and again under it. The profiled time of each op,
+summed over the steps and divided by them, goes into a part:
+
+  weights        the quantized Linears' op (kernels/linear_cpu.c); float weights are fused into
+                 inductor's kernels and count under "other compiled kernels"
+  full-cache attention   the full cache's decode attention (kernels/dense_cpu.c)
+  low-bit read   SpeCache's pass over the 1-bit copy (kernels/lowbit_cpu.c)
+  top-k          torch's topk (SpeCache's selection)
+  gather         gather and indexing (SpeCache's fetch of pairs from the slow tier in RAM)
+  other compiled kernels   inductor's generated loops (norms, RoPE, the merge, masks, ...)
+  other ops      the rest of torch's ops in the step
+  dispatch       the median step's time less all of the above: Python, guards, op dispatch
+
+The profiler slows small ops down, so the parts are approximate; the step time is from the
+unprofiled run. Prints one markdown table.
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch._inductor.config as inductor_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from checkpoint import load_model, prepare_default_checkpoint  # noqa: E402
+from scripts.bench import prompt_of_length  # noqa: E402
+from scripts.harness import Runner, method_argument  # noqa: E402
+from tokenizer import get_tokenizer  # noqa: E402
+
+PARTS = [
+    ("weights", ("specache::quantized_linear", "aten::_weight_int8pack_mm", "specache::int4_matmul")),
+    ("full-cache attention", ("specache::dense_decode_attention",)),
+    ("low-bit read", ("specache::lowbit_partial_attention",)),
+    ("top-k", ("aten::topk",)),
+    ("gather", ("aten::gather", "aten::index", "aten::index_select")),
+]
+
+
+def part_of(name: str) -> str:
+    for part, names in PARTS:
+        if name in names:
+            return part
+    if name.startswith("graph_") and "cpp_fused" in name:
+        return "other compiled kernels"
+    if name.startswith("aten::") or name.startswith("specache::"):
+        return "other ops"
+    return ""  # wrappers (compiled regions, graph calls): their own time is dispatch
+
+
+def profile(runner: Runner, method: str, prompt: list[int], prefilled, steps: int) -> dict:
+    runner.decode(method, prompt, prefilled, 4)  # compiles
+    times = []
+    runner.decode(method, prompt, prefilled, steps + 1, callback=lambda tokens: times.append(time.perf_counter()))
+    step_ms = 1e3 * statistics.median(b - a for a, b in zip(times, times[1:]))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        runner.decode(method, prompt, prefilled, steps + 1)
+    parts = dict.fromkeys([p for p, _ in PARTS] + ["other compiled kernels", "other ops"], 0.0)
+    for event in prof.key_averages():
+        part = part_of(event.key)
+        if part:
+            parts[part] += event.self_cpu_time_total / 1e3 / steps  # ms per step (the bootstrap is eager: small)
+    parts["dispatch"] = max(0.0, step_ms - sum(parts.values()))
+    return dict(step=step_ms, **parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", type=Path, default=None, help="default: the embedded SmolLM2")
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--methods", nargs="+", type=method_argument, default=["full-16bit", "specache-1bit"])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--compile_per_block", action="store_true")
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    inductor_config.cpp.enable_kernel_profile = True  # inductor's loops appear in the profile by name
+    checkpoint = args.checkpoint or prepare_default_checkpoint()
+    model = load_model(checkpoint, torch.device("cpu"), torch.float32)
+    runner = Runner(model, get_tokenizer(checkpoint.parent), args.methods, compile=True, round_capacity=False,
+                    whole_step=not args.compile_per_block)
+    prompt = prompt_of_length(args.length, model.config.vocab_size)
+    prefilled = runner.prefill(prompt, args.steps + 8)
+    rows = [(method, profile(runner, method, prompt, prefilled, args.steps)) for method in args.methods]
+    names = list(rows[0][1])
+    print(f"{checkpoint.parent.name}/{checkpoint.name}, {args.length} tokens, batch 1, "
+          f"{'per block' if args.compile_per_block else 'whole step'} compiled, {torch.get_num_threads()} threads; "
+          "ms per step\n")
+    print("| method | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+    for method, parts in rows:
+        print(f"| {method} | " + " | ".join(f"{parts[n]:.1f}" for n in names) + " |")
+
+
+if __name__ == "__main__":
+    main()
