@@ -45,7 +45,7 @@ LOW_BIT_KINDS = ("specache", "specache-nospec", "kivi")
 
 class FullCache:
     """The full cache of model.py (a ring for sliding-window layers), K and V in the model's dtype or,
-    with `sixteen_bit`, in 16 bits (bfloat16 beside a float32 model); FlexAttention's block mask for
+    with `sixteen_bit`, in 16 bits (float16 beside a float32 model, as SpeCache's pairs); FlexAttention's block mask for
     compiled decode when `use_flex` (on a CPU, decode reads the cache through kernels/dense_cpu.c)."""
 
     graph_breaks = False
@@ -81,7 +81,8 @@ class FullCache:
         pass
 
     def step_bytes(self, positions: list[int]) -> int:
-        return full_cache_step_bytes(self.model, positions, self.model.layers[0].attention.kv_cache.k_cache.element_size())
+        element_size = self.model.layers[0].attention.kv_cache.k_cache.element_size()
+        return full_cache_step_bytes(self.model, positions, element_size)
 
     def stats(self, steps: int) -> dict:
         return {"cache": "full", "kv_dtype": str(self.model.layers[0].attention.kv_cache.k_cache.dtype)}

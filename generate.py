@@ -301,8 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "baselines streaming (StreamingLLM: sinks + newest) and h2o (heavy hitters + newest)")
     g.add_argument("--specache", action="store_true", help="same as --cache specache")
     g.add_argument("--full_16bit", action="store_true",
-                   help="--cache full: keep K and V in 16 bits (bfloat16 beside a float32 model), half the bytes a step "
-                        "reads (default: the model's dtype)")
+                   help="--cache full: keep K and V in 16 bits (float16 beside a float32 model, as SpeCache's exact "
+                        "pairs), half the bytes a step reads (default: the model's dtype)")
     g.add_argument("--specache_bits", type=int, default=1, help="bits of the low-bit KV copy: 1 or 2 (default 1)")
     g.add_argument("--specache_group", type=int, default=64,
                    help="g: tokens per key group, channels per value group (default 64)")
@@ -476,7 +476,8 @@ def run(args: argparse.Namespace) -> None:
             f"{model.config.block_size}; quality may drop past it")
     use_flex = args.compile and flex_attention_available(device) and args.cache == "full"
     try:
-        cache = make_cache("full-16bit" if args.full_16bit else args.cache, model, len(prompts), max_seq_length, bits=args.specache_bits,
+        method = "full-16bit" if args.full_16bit else args.cache
+        cache = make_cache(method, model, len(prompts), max_seq_length, bits=args.specache_bits,
                            select=args.specache_select, topk=args.specache_topk, group=args.specache_group,
                            residual=args.specache_residual, stats=args.specache_stats, budget_tokens=args.budget_tokens,
                            budget_bits=args.specache_bits, sink_tokens=args.sink_tokens, use_flex=use_flex,
@@ -495,7 +496,8 @@ def run(args: argparse.Namespace) -> None:
     if args.cache != "full" and args.compile_prefill:
         log(f"Note: --compile_prefill is ignored with --cache {args.cache} (its prefill picks what to keep in Python)")
     if args.compile:  # a fetch waited inside a layer splits the graph
-        compile_decode(model, fullgraph=not cache.graph_breaks, whole_step=cache.whole_step and not args.compile_per_block)
+        compile_decode(model, fullgraph=not cache.graph_breaks,
+                       whole_step=cache.whole_step and not args.compile_per_block)
     stream = len(prompts) == 1 and not args.json
     runs = ([-1] if args.compile or args.compile_prefill else []) + list(range(args.num_samples))
     results = []

@@ -151,7 +151,7 @@ def bench_method(runner: Runner, method: str, prompt: list[int], prefilled, new_
                            callback=lambda tokens: token_times.append(time.perf_counter()))
     bandwidth = (bandwidth_before + measure_read_bandwidth(device)) / 2
     seconds_per_step = statistics.median(b - a for a, b in zip(token_times, token_times[1:]))
-    fast = full_cache_bytes(runner.model) if name == "full" else result.stats.get("fast_tier_bytes")
+    fast = full_cache_bytes(runner.model) if name.startswith("full") else result.stats.get("fast_tier_bytes")
     return dict(ms_per_step=1e3 * seconds_per_step, tok_s=batch / seconds_per_step,
                 gbps=result.decode_bytes / result.decode_steps / seconds_per_step / 1e9, bandwidth=bandwidth,
                 fast=fast, slow=result.stats.get("slow_tier_bytes"),

@@ -3,7 +3,7 @@
     python scripts/profile_step.py --checkpoint checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/model_int8.pth \\
         --length 1024 --methods full-16bit specache-1bit specache-1bit:paper
 
-Per method: one random-token prompt of --length tokens prefilled (as scripts/bench.py does), the
+Per length and method: one random-token prompt of that many tokens prefilled (as scripts/bench.py does), the
 decode step compiled whole (or per block with --compile_per_block), warmed up, then --steps steps
 timed without the profiler (the median step) and again under it. The profiled time of each op,
 summed over the steps and divided by them, goes into a part:
@@ -19,7 +19,7 @@ summed over the steps and divided by them, goes into a part:
   dispatch       the median step's time less all of the above: Python, guards, op dispatch
 
 The profiler slows small ops down, so the parts are approximate; the step time is from the
-unprofiled run. Prints one markdown table.
+unprofiled run. Prints one markdown table, and writes it to {out}/profile.md (and .json) with --out.
 """
 import argparse
 import statistics
@@ -33,7 +33,7 @@ import torch._inductor.config as inductor_config
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from checkpoint import load_model, prepare_default_checkpoint  # noqa: E402
 from scripts.bench import prompt_of_length  # noqa: E402
-from scripts.harness import Runner, method_argument  # noqa: E402
+from scripts.harness import Runner, method_argument, write_report  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
 PARTS = [
@@ -61,13 +61,19 @@ def profile(runner: Runner, method: str, prompt: list[int], prefilled, steps: in
     times = []
     runner.decode(method, prompt, prefilled, steps + 1, callback=lambda tokens: times.append(time.perf_counter()))
     step_ms = 1e3 * statistics.median(b - a for a, b in zip(times, times[1:]))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        runner.decode(method, prompt, prefilled, steps + 1)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+
+    def start_at_first_token(tokens) -> None:  # the prompt's ingestion and the bootstrap stay out
+        if prof.profiler is None:
+            prof.start()
+
+    runner.decode(method, prompt, prefilled, steps + 1, callback=start_at_first_token)
+    prof.stop()
     parts = dict.fromkeys([p for p, _ in PARTS] + ["other compiled kernels", "other ops"], 0.0)
     for event in prof.key_averages():
         part = part_of(event.key)
         if part:
-            parts[part] += event.self_cpu_time_total / 1e3 / steps  # ms per step (the bootstrap is eager: small)
+            parts[part] += event.self_cpu_time_total / 1e3 / steps  # ms per step
     parts["dispatch"] = max(0.0, step_ms - sum(parts.values()))
     return dict(step=step_ms, **parts)
 
@@ -75,10 +81,11 @@ def profile(runner: Runner, method: str, prompt: list[int], prefilled, steps: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", type=Path, default=None, help="default: the embedded SmolLM2")
-    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024])
     parser.add_argument("--methods", nargs="+", type=method_argument, default=["full-16bit", "specache-1bit"])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--compile_per_block", action="store_true")
+    parser.add_argument("--out", type=Path, default=None, help="also write profile.md and profile.json here")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     inductor_config.cpp.enable_kernel_profile = True  # inductor's loops appear in the profile by name
@@ -86,17 +93,22 @@ def main() -> None:
     model = load_model(checkpoint, torch.device("cpu"), torch.float32)
     runner = Runner(model, get_tokenizer(checkpoint.parent), args.methods, compile=True, round_capacity=False,
                     whole_step=not args.compile_per_block)
-    prompt = prompt_of_length(args.length, model.config.vocab_size)
-    prefilled = runner.prefill(prompt, args.steps + 8)
-    rows = [(method, profile(runner, method, prompt, prefilled, args.steps)) for method in args.methods]
-    names = list(rows[0][1])
-    print(f"{checkpoint.parent.name}/{checkpoint.name}, {args.length} tokens, batch 1, "
-          f"{'per block' if args.compile_per_block else 'whole step'} compiled, {torch.get_num_threads()} threads; "
-          "ms per step\n")
-    print("| method | " + " | ".join(names) + " |")
-    print("|---" * (len(names) + 1) + "|")
-    for method, parts in rows:
-        print(f"| {method} | " + " | ".join(f"{parts[n]:.1f}" for n in names) + " |")
+    rows = []
+    for length in args.lengths:
+        prompt = prompt_of_length(length, model.config.vocab_size)
+        prefilled = runner.prefill(prompt, args.steps + 8)
+        rows += [dict(length=length, method=method, **profile(runner, method, prompt, prefilled, args.steps))
+                 for method in args.methods]
+    names = [n for n in rows[0] if n not in ("length", "method")]
+    lines = [f"{checkpoint.parent.name}/{checkpoint.name}, batch 1, "
+             f"{'per block' if args.compile_per_block else 'whole step'} compiled, {torch.get_num_threads()} threads; "
+             "ms per step by part (torch.profiler; the step from an unprofiled run)", "",
+             "| context | method | " + " | ".join(names) + " |", "|---" * (len(names) + 2) + "|"]
+    lines += [f"| {r['length']} | {r['method']} | " + " | ".join(f"{r[n]:.1f}" for n in names) + " |" for r in rows]
+    markdown = "\n".join(lines)
+    print(markdown)
+    if args.out:
+        write_report(args.out, "profile", markdown, dict(rows=rows))
 
 
 if __name__ == "__main__":

@@ -54,11 +54,20 @@ DISK = [
      "per-head planes, read with preadv runs or through a memory map (disk_tier.py's)."),
 ]
 PEER = [
-    ("llama_cpp/bench", "SmolLM2-135M: against llama.cpp, a first look", "scripts/bench.py --lengths 1024 4096 ...",
-     "Our model with float32, int8 and int4 (groups of 32) weights, compiled, with the full cache and SpeCache 1-bit "
-     "(ours and the paper's selection), "
-     "beside llama.cpp on the Q4_1 GGUF the default model comes from (llama-cpp-python 0.3.36 built without AMX, "
-     "f16 and q4_0 KV caches), same prompt, 2 threads, one run. 'tok/s vs full' is over our full cache."),
+    ("llama_cpp/bench", "SmolLM2-135M: against llama.cpp", "scripts/bench.py --checkpoint ... --lengths 1024 4096 ...",
+     "Our model with int8 weights, each method's whole decode step compiled, with the full cache (K and V in "
+     "float32, and in float16: full-16bit) and SpeCache 1-bit (ours and the paper's selection), beside llama.cpp "
+     "on the Q4_1 GGUF the default model comes from (llama-cpp-python 0.3.36 built without AMX, f16 and q4_0 KV "
+     "caches; up to 16k), same prompt, 2 threads, one run. 'vs fastest full' is over the faster of our two full "
+     "caches, 'vs llama.cpp' over its f16-KV decode; 'compile s' is each method's first run."),
+    ("llama_cpp/profile", "SmolLM2-135M: where a step's time goes", "scripts/profile_step.py --lengths ...",
+     "The same model and methods, a step split into parts by torch.profiler: the quantized Linears' kernel, the "
+     "full cache's attention, SpeCache's low-bit read, top-k, gathers, inductor's loops, other ops, and dispatch "
+     "(the unprofiled step less the parts)."),
+    ("llama_cpp/batch/bench", "SmolLM2-135M: batches on a CPU", "scripts/bench.py --batch_sizes 1 4 8 ...",
+     "Decode throughput (tok/s summed over the batch) of the full cache and SpeCache 1-bit at 4k with int8 "
+     "weights, each block compiled (--compile_per_block): SpeCache's two rows per sequence make batch 8 sixteen "
+     "rows through each Linear."),
 ]
 # Measured before the default selection changed: their `specache-Nbit` rows are the paper's rule.
 SECTIONS = [
@@ -114,7 +123,8 @@ def page() -> str:
              "end, Gemma-3-270M (8k-32k). Every table below was written by the "
              "command above it; `python scripts/results_page.py` rebuilds this page from those reports "
              f"(last built with torch {torch.__version__}, Python {platform.python_version()}).\n",
-             "Methods: `full` is the 16-bit cache; `specache-Nbit` is SpeCache (k = 64 exact pairs, g = 64, "
+             "Methods: `full` is the full cache in the model's dtype (16-bit on a GPU, float32 on a CPU unless a "
+             "table says otherwise), `full-16bit` the full cache in 16 bits (float16 beside a float32 model); `specache-Nbit` is SpeCache (k = 64 exact pairs, g = 64, "
              "R = 64) with our selection, `specache-Nbit:paper` with the paper's; `kivi-Nbit` is the same low-bit copy and window with nothing fetched; `streaming` "
              "(StreamingLLM) and `h2o` keep as many 16-bit tokens as fit in SpeCache 1-bit's fast-tier bytes. "
              "'fast tier (x 16-bit)' is the fast-tier KV bytes over a 16-bit cache of the same length.\n"]

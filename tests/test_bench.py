@@ -58,3 +58,15 @@ def test_tables_give_ratios_to_the_fastest_full_cache_and_llama_cpp_of_the_same_
     largest = [dict(length=32768, method="full", batch=3, tok_s=10.0),
                dict(length=32768, method="specache-1bit", batch=36, tok_s=47.0)]
     assert "| 32768 | specache-1bit | 36 | 47.0 | 4.70x |" in max_batch_table(largest, 64)
+
+
+def test_profile_parts_name_the_kernels_and_leave_wrappers_to_dispatch():
+    from scripts.profile_step import part_of
+
+    assert part_of("specache::quantized_linear") == "weights"
+    assert part_of("specache::dense_decode_attention") == "full-cache attention"
+    assert part_of("specache::lowbit_partial_attention") == "low-bit read"
+    assert part_of("aten::topk") == "top-k" and part_of("aten::gather") == "gather"
+    assert part_of("graph_0_cpp_fused_add_mean_mul_pow_rsqrt_view_10") == "other compiled kernels"
+    assert part_of("aten::bmm") == "other ops"
+    assert part_of("Torch-Compiled Region: 0/0") == "" and part_of("TorchDynamo Cache Lookup") == ""

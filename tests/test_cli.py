@@ -247,3 +247,19 @@ def test_repeated_samples_report_the_same_generation(capsys, smollm2_checkpoint,
 def test_slow_tier_flags_that_do_not_apply(capsys, tiny_checkpoint, argv, fragment):
     code, _, err = run_cli(capsys, "--checkpoint", str(tiny_checkpoint), "--prompt", "hi", *argv)
     assert_one_line_error(code, err, fragment)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--specache", "--full_16bit"], "--full_16bit applies to --cache full, not specache"),
+    (["--compile_per_block"], "--compile_per_block goes with --compile"),
+])
+def test_full_cache_and_compile_flags_that_do_not_apply(capsys, tiny_checkpoint, argv, fragment):
+    code, _, err = run_cli(capsys, "--checkpoint", str(tiny_checkpoint), *argv)
+    assert_one_line_error(code, err, fragment)
+
+
+def test_full_16bit_reports_a_float16_cache(capsys, smollm2_checkpoint):
+    code, out, err = run_cli(capsys, "--checkpoint", str(smollm2_checkpoint), "--full_16bit", "--json", "--temperature",
+                             "0", "--max_new_tokens", "4")
+    assert code == 0, err
+    assert '"kv_dtype": "torch.float16"' in out  # SpeCache's 16-bit pair type beside float32
