@@ -45,16 +45,18 @@ LOW_BIT_KINDS = ("specache", "specache-nospec", "kivi")
 
 class FullCache:
     """The full cache of model.py (a ring for sliding-window layers), K and V in the model's dtype or,
-    with `sixteen_bit`, in 16 bits (float16 beside a float32 model, as SpeCache's pairs); FlexAttention's block mask for
-    compiled decode when `use_flex` (on a CPU, decode reads the cache through kernels/dense_cpu.c)."""
+    with `sixteen_bit`, in 16 bits (float16 beside a float32 model, as SpeCache's pairs); FlexAttention's
+    block mask for compiled decode when `use_flex` (on a CPU, decode reads the cache through
+    kernels/dense_cpu.c)."""
 
     graph_breaks = False
     whole_step = True
 
     def __init__(self, model: Transformer, batch_size: int, max_seq_length: int, use_flex: bool = False,
                  sixteen_bit: bool = False):
-        model.setup_caches(batch_size, max_seq_length,
-                           sixteen_bit_dtype(model.tok_embeddings.weight.dtype) if sixteen_bit else None)
+        self.kv_dtype = sixteen_bit_dtype(model.tok_embeddings.weight.dtype) if sixteen_bit else \
+            model.tok_embeddings.weight.dtype
+        model.setup_caches(batch_size, max_seq_length, self.kv_dtype)
         device = model.tok_embeddings.weight.device
         self.model = model
         # a CPU's decode reads the cache through kernels/dense_cpu.c by position: no block mask needed
@@ -81,11 +83,10 @@ class FullCache:
         pass
 
     def step_bytes(self, positions: list[int]) -> int:
-        element_size = self.model.layers[0].attention.kv_cache.k_cache.element_size()
-        return full_cache_step_bytes(self.model, positions, element_size)
+        return full_cache_step_bytes(self.model, positions, self.kv_dtype.itemsize)
 
     def stats(self, steps: int) -> dict:
-        return {"cache": "full", "kv_dtype": str(self.model.layers[0].attention.kv_cache.k_cache.dtype)}
+        return {"cache": "full", "kv_dtype": str(self.kv_dtype)}
 
 
 def full_cache_step_bytes(model: Transformer, positions: list[int], element_size: Optional[int] = None) -> int:

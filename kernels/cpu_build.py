@@ -6,12 +6,15 @@ Each is compiled with gcc -O3 -march=native -fopenmp into $XDG_CACHE_HOME/specac
 published by an atomic rename, so that concurrent processes see no file or a whole one. The
 kernels' OpenMP threads come from the libgomp that torch has loaded already (one thread pool).
 """
+import ctypes
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
+from typing import Optional
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 PORTABLE_FLAGS = ("-O3", "-march=x86-64", "-fopenmp", "-shared", "-fPIC")  # what machines without AVX-512 build
@@ -26,8 +29,8 @@ def build(source: Path, flags: tuple[str, ...] = FLAGS, compiler: str = "gcc", l
     run = lambda *args: subprocess.run([gcc, *args], capture_output=True, text=True, check=True).stdout
     target = run(*flags, "-dM", "-E", "-x", "c", os.devnull)  # the macros -march=native turns on here
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the sources may include
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, *flags, *libraries, run("--version"), target]).encode())
-    key = key.hexdigest()[:16]
+    parts = [source.read_text(), *headers, *flags, *libraries, run("--version"), target]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specache"
     path = cache / f"{source.stem}-{key}.so"
     if not path.exists():
@@ -44,3 +47,29 @@ def build(source: Path, flags: tuple[str, ...] = FLAGS, compiler: str = "gcc", l
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return path
+
+
+def load(path: Path, function: str, problem: type[ctypes.Structure]) -> ctypes.CDLL:
+    """Load a C kernel's library; its `function` takes a pointer to its Problem struct and returns 0
+    on success."""
+    lib = ctypes.CDLL(str(path))
+    kernel = getattr(lib, function)
+    kernel.argtypes = [ctypes.POINTER(problem)]
+    kernel.restype = ctypes.c_int
+    return lib
+
+
+def build_and_load(source: Path, function: str, problem: type[ctypes.Structure],
+                   unavailable: str) -> Optional[ctypes.CDLL]:
+    """The native build of `source`, loaded; None where it cannot be built, with one warning that
+    says `unavailable` (what stands in for the kernel)."""
+    try:
+        return load(build(source), function, problem)
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
+        warnings.warn(f"specache: {unavailable} ({error})")
+        return None
+
+
+def enabled() -> bool:
+    """Whether the C kernels may run: SPECACHE_NO_CPU_KERNEL=1 keeps every kernel's reference path."""
+    return os.environ.get("SPECACHE_NO_CPU_KERNEL") != "1"

@@ -28,9 +28,11 @@ def build() -> Path:
     from torch.utils import cpp_extension  # the headers' location; imported here, only when building
 
     lib = Path(torch.__file__).parent / "lib"
-    flags = ("-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    flags = ("-O2", "-std=c++17", "-shared", "-fPIC", "-w",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
              f"-DSPECACHE_TORCH_VERSION={torch.__version__}", *(f"-I{p}" for p in cpp_extension.include_paths()))
-    return cpu_build.build(SOURCE, flags, compiler="g++", libraries=(f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"))
+    libraries = (f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}")
+    return cpu_build.build(SOURCE, flags, compiler="g++", libraries=libraries)
 
 
 @lru_cache(maxsize=None)

@@ -20,9 +20,6 @@ warning) and the full cache keeps SDPA and FlexAttention. SPECACHE_NO_CPU_KERNEL
 Results do not depend on the thread count. Inference only: no autograd formula.
 """
 import ctypes
-import os
-import subprocess
-import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -81,27 +78,22 @@ def build(flags: tuple[str, ...] = cpu_build.FLAGS) -> Path:
 
 
 def load(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    lib.dense_decode_attention.argtypes = [ctypes.POINTER(_Problem)]
-    lib.dense_decode_attention.restype = ctypes.c_int
-    return lib
+    return cpu_build.load(path, "dense_decode_attention", _Problem)
 
 
 @lru_cache(maxsize=None)
 def _library() -> Optional[ctypes.CDLL]:
-    try:
-        lib = load(build())
-    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
-        warnings.warn(f"specache: the CPU dense decode-attention kernel is unavailable ({error})")
-        return None
-    cpu_ops.hand_over("dense_decode_attention", lib.dense_decode_attention)  # C++ dispatch where it builds: ~10 us less per call
+    lib = cpu_build.build_and_load(SOURCE, "dense_decode_attention", _Problem,
+                                   "the CPU dense decode-attention kernel is unavailable, SDPA and FlexAttention serve")
+    if lib is not None:
+        cpu_ops.hand_over("dense_decode_attention", lib.dense_decode_attention)  # C++ dispatch where it builds
     return lib
 
 
 @torch.compiler.assume_constant_result
 def available() -> bool:
     """Whether the C kernel can run (builds it on first call). Under torch.compile, read once at tracing."""
-    return os.environ.get("SPECACHE_NO_CPU_KERNEL") != "1" and _library() is not None
+    return cpu_build.enabled() and _library() is not None
 
 
 def run_kernel(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor,

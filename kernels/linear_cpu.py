@@ -12,15 +12,13 @@ A decode step multiplies one row per sequence (two with SpeCache's speculative r
 weight, so its time is the time to read the weights once. kernels/linear_cpu.c reads each weight
 once per call and widens it in registers, at about the machine's read bandwidth where inductor's
 fused multiply-reduce over int8 codes reached a third of it (scripts/bench_quant.py measures
-every way to run a quantized Linear here). It is the op `specache::quantized_linear`, one opaque call under torch.compile,
-built at first use (kernels/cpu_build.py); without gcc, or when the build fails, `available()` is
+every way to run a quantized Linear here). It is the op `specache::quantized_linear`, one opaque
+call under torch.compile, dispatched in C++ where kernels/cpu_ops.cpp builds, built at first use
+(kernels/cpu_build.py); without gcc, or when the build fails, `available()` is
 False (with one warning) and the quantized Linears keep their other paths. SPECACHE_NO_CPU_KERNEL=1
 forces that. Results do not depend on the thread count. Inference only: no autograd formula.
 """
 import ctypes
-import os
-import subprocess
-import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -89,27 +87,22 @@ def build(flags: tuple[str, ...] = cpu_build.FLAGS) -> Path:
 
 
 def load(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    lib.quantized_linear.argtypes = [ctypes.POINTER(_Problem)]
-    lib.quantized_linear.restype = ctypes.c_int
-    return lib
+    return cpu_build.load(path, "quantized_linear", _Problem)
 
 
 @lru_cache(maxsize=None)
 def _library() -> Optional[ctypes.CDLL]:
-    try:
-        lib = load(build())
-    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
-        warnings.warn(f"specache: the CPU quantized-Linear kernel is unavailable ({error})")
-        return None
-    cpu_ops.hand_over("quantized_linear", lib.quantized_linear)  # C++ dispatch where it builds: ~10 us less per call
+    lib = cpu_build.build_and_load(SOURCE, "quantized_linear", _Problem,
+                                   "the CPU quantized-Linear kernel is unavailable, torch's paths serve")
+    if lib is not None:
+        cpu_ops.hand_over("quantized_linear", lib.quantized_linear)  # C++ dispatch where it builds
     return lib
 
 
 @torch.compiler.assume_constant_result
 def available() -> bool:
     """Whether the C kernel can run (builds it on first call). Under torch.compile, read once at tracing."""
-    return os.environ.get("SPECACHE_NO_CPU_KERNEL") != "1" and _library() is not None
+    return cpu_build.enabled() and _library() is not None
 
 
 def run_kernel(lib: ctypes.CDLL, x: Tensor, codes: Tensor, scales: Tensor, zeros: Optional[Tensor] = None,

@@ -29,15 +29,12 @@ positions) with OpenMP, on torch's thread count; results do not depend on it. In
 op has no autograd formula.
 
 The kernel is compiled at first use (kernels/cpu_build.py). Without AVX-512 the same file builds
-plain C that runs the same tables one lookup at a time. Without gcc, or when the build fails, `available()` is False (with one
-warning) and the reference runs instead; SPECACHE_NO_CPU_KERNEL=1 forces that. The kernel is the
-op `specache::lowbit_partial_attention` (with the LowBitKV fields spread out), which
-torch.compile keeps as one opaque call; `run_kernel(load(build(flags)), ...)` runs a given build.
+plain C that runs the same tables one lookup at a time. Without gcc, or when the build fails,
+`available()` is False (with one warning) and the reference runs instead; SPECACHE_NO_CPU_KERNEL=1
+forces that. The kernel is the op `specache::lowbit_partial_attention` (with the LowBitKV fields
+spread out), which torch.compile keeps as one opaque call; `run_kernel(load(build(flags)), ...)` runs a given build.
 """
 import ctypes
-import os
-import subprocess
-import warnings
 from functools import lru_cache
 from pathlib import Path
 
@@ -137,25 +134,20 @@ def build(flags: tuple[str, ...] = FLAGS) -> Path:
 
 
 def load(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    lib.lowbit_partial_attention.argtypes = [ctypes.POINTER(_Problem)]
-    lib.lowbit_partial_attention.restype = ctypes.c_int
-    return lib
+    return cpu_build.load(path, "lowbit_partial_attention", _Problem)
 
 
 @lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
-    try:
-        return load(build())
-    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
-        warnings.warn(f"specache: the CPU low-bit kernel is unavailable, using the PyTorch reference ({error})")
-        return None
+    lib = cpu_build.build_and_load(SOURCE, "lowbit_partial_attention", _Problem,
+                                   "the CPU low-bit kernel is unavailable, using the PyTorch reference")
+    return lib
 
 
 @torch.compiler.assume_constant_result
 def available() -> bool:
     """Whether the C kernel can run (builds it on first call). Under torch.compile, read once at tracing."""
-    return os.environ.get("SPECACHE_NO_CPU_KERNEL") != "1" and _library() is not None
+    return cpu_build.enabled() and _library() is not None
 
 
 def run_kernel(lib: ctypes.CDLL, rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor,
