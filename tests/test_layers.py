@@ -19,7 +19,9 @@ LAYERS = [
     ["specache", "eviction"],
     ["caches"],
     ["checkpoint"],
+    ["options"],
     ["generate"],
+    ["serve"],
 ]
 
 

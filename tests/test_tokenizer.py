@@ -66,6 +66,11 @@ def test_chatml_matches_the_models_own_template(smollm2_tokenizer, smollm2_check
             {"role": "user", "content": "What is SpeCache?"}]
         expected = env.from_string(template).render(messages=messages, add_generation_prompt=True)
         assert smollm2_tokenizer.decode(smollm2_tokenizer.encode_chat("What is SpeCache?", system)) == expected
+        conversation = messages + [{"role": "assistant", "content": "A KV cache."}, {"role": "user", "content": "More?"}]
+        expected = env.from_string(template).render(messages=conversation, add_generation_prompt=True)
+        assert smollm2_tokenizer.decode(smollm2_tokenizer.encode_messages(conversation)) == expected
+    with pytest.raises(ValueError, match="roles"):
+        smollm2_tokenizer.encode_messages([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}])
 
 
 LLAMA3_TEMPLATE = (
@@ -111,6 +116,10 @@ def test_tiktoken_wrapper_matches_tiktoken(tiny_tiktoken_file):
     expected = jinja2.Template(LLAMA3_TEMPLATE).render(messages=messages, bos_token="<|begin_of_text|>",
                                                        add_generation_prompt=True)
     assert tokenizer.encode_chat(" Hi there\n", "Be brief. ") == reference.encode(expected, allowed_special="all")
+    messages += [{"role": "assistant", "content": "Hello. "}, {"role": "user", "content": "Again"}]
+    expected = jinja2.Template(LLAMA3_TEMPLATE).render(messages=messages, bos_token="<|begin_of_text|>",
+                                                       add_generation_prompt=True)
+    assert tokenizer.encode_messages(messages) == reference.encode(expected, allowed_special="all")
 
 
 @pytest.fixture(scope="module")
