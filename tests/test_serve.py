@@ -223,3 +223,13 @@ def test_bad_options_are_one_error_line(capsys):
     assert capsys.readouterr().err.startswith("error: unknown --cache 'nonsense'")
     assert main(["--max_batch_size", "0"]) == 2
     assert "--max_batch_size must be at least 1" in capsys.readouterr().err
+
+
+def test_bench_serve_starts_each_method_with_its_own_flags():
+    from scripts.bench_serve import server_flags
+
+    assert server_flags("full") == ["--cache", "full"]
+    assert server_flags("full-16bit") == ["--cache", "full", "--full_16bit"]
+    assert server_flags("specache-2bit:paper") == ["--cache", "specache", "--specache_bits", "2",
+                                                   "--specache_select", "paper"]
+    assert server_flags("kivi-1bit") == ["--cache", "kivi", "--specache_bits", "1"]
