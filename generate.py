@@ -23,7 +23,8 @@ from torch import Tensor
 from checkpoint import UserError, load_model, load_tokenizer, resolve_checkpoint
 from disk_tier import SlowTierError
 from model import CausalPrompt, Transformer, flex_attention_available
-from options import add_cache_arguments, cache_from_args, cache_summary, pick_device, validate_cache_args
+from options import (add_cache_arguments, add_model_arguments, cache_from_args, cache_summary, model_dtype, pick_device,
+                     validate_cache_args)
 from quantize import Int4Linear, Int8Linear
 from tokenizer import Tokenizer
 
@@ -253,8 +254,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", type=Path, default=None,
-                   help="model.pth, or the directory holding it (default: SmolLM2-135M-Instruct, prepared offline)")
+    add_model_arguments(p)
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch of different prompts")
     p.add_argument("--prompt_file", action="append", help="read a prompt from a UTF-8 file; repeatable")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat format")
@@ -272,9 +272,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --compile: compile each transformer block instead of the whole step (seconds of "
                         "compiling, slower steps)")
     p.add_argument("--compile_prefill", action="store_true", help="compile prefill too (dynamic shapes)")
-    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="model dtype; auto = bfloat16 on CUDA, float32 on CPU (measured faster there)")
     p.add_argument("--seed", type=int, default=1234, help="random seed for sampling")
     p.add_argument("--max_seq_length", type=int, default=None,
                    help="cache length (default: longest prompt + max_new_tokens)")
@@ -352,8 +349,7 @@ def log(*parts) -> None:
 def run(args: argparse.Namespace) -> None:
     validate_args(args)
     device = pick_device(args.device)
-    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
-        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = model_dtype(args.dtype, device)
     prompts_text = read_prompts(args)
     torch.manual_seed(args.seed)
 

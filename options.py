@@ -1,8 +1,9 @@
-"""The command-line options that generate.py and serve.py share: the device, and the KV cache
+"""The command-line options that generate.py and serve.py share: the model, the device, and the KV cache
 (which one, SpeCache's settings, the slow tier, the eviction budgets), with their checks, the cache
 they make, and the one-line summary of its statistics."""
 import argparse
 import os
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -13,6 +14,22 @@ from model import Transformer
 from selection import DEFAULT_SELECT
 
 EVICTION_CACHES = ("streaming", "h2o")
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--checkpoint, --device and --dtype."""
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="model.pth, or the directory holding it (default: SmolLM2-135M-Instruct, prepared offline)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="model dtype; auto = bfloat16 on CUDA, float32 on CPU (measured faster there)")
+
+
+def model_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The --dtype named, or for auto the device's default: bfloat16 on CUDA, float32 on CPU."""
+    if name != "auto":
+        return getattr(torch, name)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def pick_device(name: str) -> torch.device:

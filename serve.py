@@ -36,7 +36,6 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Literal, Optional, Union
 
 import torch
@@ -49,7 +48,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from checkpoint import UserError, load_model, load_tokenizer, resolve_checkpoint
 from generate import generate
 from model import Transformer
-from options import add_cache_arguments, cache_from_args, pick_device, validate_cache_args
+from options import (add_cache_arguments, add_model_arguments, cache_from_args, model_dtype, pick_device,
+                     validate_cache_args)
 from tokenizer import Tokenizer
 
 
@@ -247,9 +247,10 @@ class Engine:
                 finally:
                     self.decoding = 0
 
-    def _cache_for(self, rows: int):
+    def cache_for(self, rows: int):
+        """The cache for a batch of `rows` sequences: the last one again if the size is the same."""
         if self.cache is None or self.cache_rows != rows:  # a new batch size sets the model's caches up anew
-            self.cache = None
+            self.cache = None  # the old one goes first, so that the two never take memory together
             self.cache = cache_from_args(self.args, self.model, rows, self.capacity)
             self.cache_rows = rows
         return self.cache
@@ -270,7 +271,7 @@ class Engine:
                     job.fail(f"{type(error).__name__}: {error}")
             steps[0] += 1
 
-        cache = self._cache_for(len(batch))
+        cache = self.cache_for(len(batch))
         for job in batch:
             job.stats_source = lambda: cache.stats(max(1, steps[0] - 1))
         longest = max(len(job.prompt_ids) for job in batch)
@@ -432,8 +433,7 @@ def make_app(engine: Engine, model_name: str) -> FastAPI:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", type=Path, default=None,
-                   help="model.pth, or the directory holding it (default: SmolLM2-135M-Instruct, prepared offline)")
+    add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served_model_name", default=None,
@@ -443,9 +443,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_batch_size", type=int, default=8, help="requests decoded side by side (default 8)")
     p.add_argument("--max_queue", type=int, default=64,
                    help="requests that may wait for a batch; beyond, HTTP 429 (default 64)")
-    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="model dtype; auto = bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--log_level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs each request)")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
@@ -462,14 +459,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             if value is not None and value <= 0:
                 raise UserError(f"--{name} must be at least 1 (got {value})")
         device = pick_device(args.device)
-        dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
-            torch.bfloat16 if device.type == "cuda" else torch.float32)
+        dtype = model_dtype(args.dtype, device)
         checkpoint = resolve_checkpoint(args.checkpoint)
         model = load_model(checkpoint, device, dtype)
         tokenizer = load_tokenizer(checkpoint, model)
         capacity = args.max_seq_length or min(model.config.block_size, 4096)
         engine = Engine(model, tokenizer, args, capacity)
-        engine._cache_for(1)  # a bad cache setting fails here, before the server listens
+        engine.cache_for(1)  # a bad cache setting fails here, before the server listens
     except UserError as e:
         if args.debug:
             raise

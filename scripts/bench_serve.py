@@ -51,12 +51,12 @@ def prompt_text(tokenizer, tokens: int, seed: int) -> str:
     return tokenizer.decode(tokenizer.encode(text, bos=False)[:tokens])
 
 
-def start_server(checkpoint: Path, method: str, context: int, batch: int, port: int, log: Path):
+def start_server(flags: list[str], port: int, log: Path, timeout: float = 300) -> subprocess.Popen:
+    """serve.py with `flags` on 127.0.0.1:`port` (its stderr into `log`), once /health answers."""
     process = subprocess.Popen(
-        [sys.executable, str(REPO_ROOT / "serve.py"), "--checkpoint", str(checkpoint), "--port", str(port),
-         "--log_level", "warning", "--max_seq_length", str(context), "--max_batch_size", str(batch),
-         *server_flags(method)], cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=log.open("w"))
-    deadline = time.time() + 300
+        [sys.executable, str(REPO_ROOT / "serve.py"), "--port", str(port), "--log_level", "warning", *flags],
+        cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    deadline = time.time() + timeout
     while time.time() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"serve.py exited:\n{log.read_text()}")
@@ -92,7 +92,8 @@ def main() -> None:
     context = -(-(args.prompt_tokens + args.max_tokens + 8) // 64) * 64
     rows, log = [], Path("/tmp") / f"bench_serve_{args.port}.log"
     for method in args.methods:
-        process = start_server(checkpoint, method, context, max(args.concurrency), args.port, log)
+        process = start_server(["--checkpoint", str(checkpoint), "--max_seq_length", str(context),
+                                "--max_batch_size", str(max(args.concurrency)), *server_flags(method)], args.port, log)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", timeout=1800,
                                max_retries=0)
         model = client.models.list().data[0].id

@@ -3,8 +3,6 @@ client (and raw HTTP for what a client library would refuse to send). Greedy ans
 against generate.generate on the same model and cache, run in this process."""
 import asyncio
 import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,10 +13,10 @@ import pytest
 
 from caches import make_cache
 from generate import generate
+from scripts.bench_serve import server_flags, start_server
 from serve import Job, main
 from tokenizer import get_tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = "SmolLM2-135M-Instruct"
 CONTEXT = 512
 TEXT = ("SpeCache keeps the whole key-value cache in large, slow memory and a one-bit copy of it in fast memory. "
@@ -37,21 +35,8 @@ def free_port() -> int:
 class Server:
     def __init__(self, args: list[str], log: Path):
         self.port, self.log = free_port(), log
-        self.process = subprocess.Popen(
-            [sys.executable, str(REPO_ROOT / "serve.py"), "--port", str(self.port), "--log_level", "warning",
-             "--max_seq_length", str(CONTEXT), *args], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
-            stderr=log.open("w"))
+        self.process = start_server(["--max_seq_length", str(CONTEXT), *args], self.port, log, timeout=180)
         self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            assert self.process.poll() is None, f"the server exited:\n{log.read_text()}"
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            raise TimeoutError(f"the server did not start:\n{log.read_text()}")
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=120, max_retries=0)
 
     def stop(self) -> None:
@@ -226,8 +211,6 @@ def test_bad_options_are_one_error_line(capsys):
 
 
 def test_bench_serve_starts_each_method_with_its_own_flags():
-    from scripts.bench_serve import server_flags
-
     assert server_flags("full") == ["--cache", "full"]
     assert server_flags("full-16bit") == ["--cache", "full", "--full_16bit"]
     assert server_flags("specache-2bit:paper") == ["--cache", "specache", "--specache_bits", "2",
