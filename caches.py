@@ -4,19 +4,24 @@ them by name.
 A cache is an object with these methods (specache.SpeCache, eviction.EvictionCache and FullCache
 below; each also plugs a module into every layer's `attention.kv_cache`, see model.py):
 
-    begin(tokens, lengths)        a generation of the right-padded prompts starts: per-generation
-                                  state is reset (prefill follows, through the model's layers)
+    begin(tokens, lengths, held)  a generation of the right-padded prompts starts: per-generation
+                                  state is reset (prefill follows, through the model's layers, in
+                                  one piece or in chunks); `held` > 0 (caches that `chunks`): each
+                                  sequence holds that many tokens already, which the prompts continue
     ingest(recorded)              instead of prefill: each layer's prompt (K, V, the attention each
                                   key got or None) from a prefill done elsewhere, after `begin`
                                   (scripts/harness.py shares one prefill among caches)
     bootstrap(model, first, pos)  once, before the first step (SpeCache: its first guess and fetch)
     step(model, token, pos)       one decode step of the real tokens (B, 1): their logits (B, 1, V)
     sampled(token)                the real tokens the loop sampled from them
-    finish()                      the generation ended (wait for whatever runs in the background)
+    finish(keep)                  the generation ended (wait for whatever runs in the background);
+                                  `keep`: what the cache holds stays for a continuation
     step_bytes(positions)         KV bytes a step reads, the sequences holding `positions` tokens
     stats(steps)                  tier sizes and the cache's own figures, for --json and the tables
     graph_breaks                  whether a compiled step must split its graph
     whole_step                    whether a step is one pass of `model.forward` (compile it whole)
+    chunks                        whether prefill may come in chunks, on top of what the cache holds
+                                  (`CausalPrompt.start` > 0: --prefill_chunk, a chat's next turn)
 
 Methods are named as the evaluation scripts and generate.py's --cache name them: `full` (K, V in
 the model's dtype) or `full-16bit`,
@@ -51,6 +56,7 @@ class FullCache:
 
     graph_breaks = False
     whole_step = True
+    chunks = True
 
     def __init__(self, model: Transformer, batch_size: int, max_seq_length: int, use_flex: bool = False,
                  sixteen_bit: bool = False):
@@ -63,8 +69,8 @@ class FullCache:
         use_flex = use_flex and not (device.type == "cpu" and dense_cpu.available())
         self.block_mask = create_causal_block_mask(model.max_seq_length, device) if use_flex else None
 
-    def begin(self, tokens: Tensor, lengths: Tensor) -> None:
-        pass  # prefill overwrites every position a generation reads
+    def begin(self, tokens: Tensor, lengths: Tensor, held: int = 0) -> None:
+        pass  # prefill overwrites every position a generation reads, from `held` on
 
     def ingest(self, recorded: list[tuple[Tensor, Tensor, Optional[list[Tensor]]]]) -> None:
         for layer, (k, v, _) in zip(self.model.layers, recorded):
@@ -79,7 +85,7 @@ class FullCache:
     def sampled(self, token: Tensor) -> None:
         pass
 
-    def finish(self) -> None:
+    def finish(self, keep: bool = False) -> None:
         pass
 
     def step_bytes(self, positions: list[int]) -> int:

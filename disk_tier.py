@@ -298,6 +298,13 @@ class DiskTier:
                  slots: slice) -> None:
         pass  # queued after the layer (after_layer), read in the background
 
+    def read_range(self, first: int, last: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """Every sequence's pairs at positions [first, last), (B, Hkv, last - first, D) each: one
+        sequential read per sequence (a prefill on top of what the cache holds reads its history so)."""
+        rows = self.mapped().view(self.batch, self.capacity, self.n_kv_heads, 2, self.head_dim)[:, first:last]
+        pairs = rows.permute(3, 0, 2, 1, 4).clone()  # (2, B, Hkv, N, D), out of the map
+        return pairs[0], pairs[1]
+
     def keys_on(self, device: torch.device) -> Tensor:
         """Every key (B, Hkv, T, D), read whole (for the diagnostics only)."""
         return read_all_keys(self).to(device)

@@ -131,6 +131,8 @@ class EvictionLayer(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask) -> Tensor:
         if isinstance(mask, CausalPrompt):  # prefill: full attention over the prompt, then keep the budget
+            if mask.start or q.shape[2] < max(self.state.prompt_lengths):
+                raise ValueError("eviction caches take the prompt in one piece (no --prefill_chunk)")
             y = attention(q, k, v, CAUSAL_PROMPT)
             mass = None
             if self.config.policy == "h2o":
@@ -185,6 +187,7 @@ class EvictionCache:
 
     graph_breaks = False
     whole_step = True
+    chunks = False  # what to keep is chosen over the whole prompt at once, and what left is gone
 
     def __init__(self, model: Transformer, batch_size: int, max_seq_length: int, config: EvictionConfig):
         config.validate()
@@ -204,7 +207,10 @@ class EvictionCache:
         self.rings = [layer.attention.kv_cache for layer in model.layers
                       if isinstance(layer.attention.kv_cache, RingKVCache)]
 
-    def begin(self, tokens: Tensor, lengths: Tensor) -> None:
+    def begin(self, tokens: Tensor, lengths: Tensor, held: int = 0) -> None:
+        if held:
+            raise ValueError(f"the {self.state.config.policy} cache cannot continue a generation: a new turn would "
+                             "have to attend to the tokens it evicted")
         self.state.begin(lengths.tolist())
 
     def ingest(self, recorded: list[tuple[Tensor, Tensor, Optional[list[Tensor]]]]) -> None:
@@ -225,7 +231,7 @@ class EvictionCache:
     def sampled(self, token: Tensor) -> None:
         pass
 
-    def finish(self) -> None:
+    def finish(self, keep: bool = False) -> None:
         pass
 
     def step_bytes(self, positions: list[int]) -> int:

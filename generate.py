@@ -59,15 +59,32 @@ def sample(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None
 # Prefill and decode
 # ---------------------------------------------------------------------------------------------
 
-def prefill(model: Transformer, tokens: Tensor, lengths: Tensor, **sampling) -> Tensor:
-    """Run the right-padded prompts (B, S) through the model; the first new token of each (B, 1).
-    Each layer's cache takes the prompt's K, V from there (`CausalPrompt` carries the lengths).
+def prefill(model: Transformer, tokens: Tensor, lengths: Tensor, start: int = 0, chunk: Optional[int] = None,
+            forward: Optional[Callable] = None, **sampling) -> Tensor:
+    """Run the right-padded prompts (B, S) through the model at positions start..start+S-1, on top
+    of the `start` tokens each sequence's cache holds; the first new token of each (B, 1). Each
+    layer's cache takes the prompt's K, V from there (`CausalPrompt` carries the lengths and where
+    the rows start).
+
+    `chunk`: at most that many positions per pass, each pass on top of the ones before, so that
+    only one chunk's activations (and, with SpeCache, one chunk's 16-bit K, V) are in memory at a
+    time. `forward`: the model's call (a compiled one).
 
     Attention is SDPA's causal kernel, compiled or not: compiled FlexAttention prefill on CPU failed
     to build or gave wrong logits in torch 2.13 (decode, one query per sequence, is fine).
     """
-    input_pos = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
-    logits = model(tokens, input_pos, CausalPrompt(lengths), output_index=(lengths - 1).unsqueeze(1))
+    forward = forward or model
+    batch, seqlen = tokens.shape
+    chunk = min(chunk or seqlen, seqlen)
+    last = lengths - 1  # each prompt's last row, whose logits give its first new token
+    logits = None
+    for first in range(0, seqlen, chunk):
+        rows = tokens[:, first: first + chunk]
+        input_pos = torch.arange(start + first, start + first + rows.shape[1], device=tokens.device).expand(batch, -1)
+        here = (last - first).clamp(0, rows.shape[1] - 1).unsqueeze(1)
+        out = forward(rows, input_pos, CausalPrompt(start + lengths, start + first), output_index=here)
+        in_chunk = ((last >= first) & (last < first + rows.shape[1])).view(batch, 1, 1)
+        logits = out if logits is None else torch.where(in_chunk, out, logits)
     return sample(logits, **sampling)
 
 
@@ -151,7 +168,8 @@ STOP_CHECK_EVERY = 8  # decode steps between the host's looks at whether every s
 def generate(model: Transformer, cache, prompts: list[list[int]], max_new_tokens: int, *,
              stop_ids: frozenset = frozenset(), temperature: float = 0.0, top_k: Optional[int] = None,
              compile_prefill: bool = False, callback: Callable[[Tensor], None] = lambda tokens: None,
-             first_token: Optional[Tensor] = None, keep_going: Callable[[], bool] = lambda: True) -> GenerationResult:
+             first_token: Optional[Tensor] = None, keep_going: Callable[[], bool] = lambda: True,
+             prefill_chunk: Optional[int] = None, held: int = 0, keep: bool = False) -> GenerationResult:
     """Generate up to `max_new_tokens` for each prompt (a ragged batch) with `cache` (caches.py:
     a cache set up for len(prompts) sequences; `make_cache` names them all).
 
@@ -164,43 +182,57 @@ def generate(model: Transformer, cache, prompts: list[list[int]], max_new_tokens
     caches, see scripts/harness.py) and decoding starts from it. `keep_going` is asked before each
     step (a host-side check, no device sync): False ends the batch there (serve.py, when every
     request in it has what it wants or has gone).
+
+    A conversation (chat.py) goes on in the same cache: `keep` leaves what the cache holds in place
+    at the end (the prompt and every new token but the last, which the next prompt starts with),
+    and the next call's `held` says how many tokens that is. Both are for one sequence, whose stop
+    is then checked at every step (so no token past it enters the cache). `prefill_chunk`: prefill
+    takes at most that many positions per pass (`prefill`).
     """
     device = model.tok_embeddings.weight.device
     tokens, lengths = pad_prompts(prompts, device)
     sampling = dict(temperature=temperature, top_k=top_k)
+    if (held or keep) and len(prompts) != 1:
+        raise ValueError("a conversation goes on one sequence at a time (held, keep)")
+    if (held or prefill_chunk) and not cache.chunks:
+        raise ValueError("this cache takes each prompt in one piece, from position 0: no chunked prefill and no "
+                         "continued conversation")
     try:
         _sync(device)
         t0 = time.perf_counter()
         if first_token is not None:
             real = first_token
         else:
-            cache.begin(tokens, lengths)
+            cache.begin(tokens, lengths, held)
+            chunked = dict(start=held, chunk=prefill_chunk, **sampling)
             if compile_prefill:
-                real = torch.compile(prefill, fullgraph=True, dynamic=True)(model, tokens, lengths, **sampling)
+                real = prefill(model, tokens, lengths, forward=torch.compile(model, fullgraph=True, dynamic=True),
+                               **chunked)
             else:
                 with torch.compiler.set_stance("force_eager"):
-                    real = prefill(model, tokens, lengths, **sampling)
+                    real = prefill(model, tokens, lengths, **chunked)
         _sync(device)
         prefill_seconds = time.perf_counter() - t0
 
-        pos = lengths.unsqueeze(1).clone()
+        pos = (held + lengths).unsqueeze(1)
         cache.sampled(real)
         cache.bootstrap(model, real, pos)
         new_tokens, done = [real], torch.zeros(len(prompts), dtype=torch.bool, device=device)
         callback(real)
         stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
-        held = [len(p) for p in prompts]  # tokens each sequence's cache holds
+        positions = [held + len(p) for p in prompts]  # tokens each sequence's cache holds
+        check_every = 1 if keep else STOP_CHECK_EVERY
         per_step_weights = weight_bytes(model)
         decode_bytes, steps = 0, 0
         t0 = time.perf_counter()
         for step in range(max_new_tokens - 1):
             done |= torch.isin(real[:, 0], stop)
-            if (step % STOP_CHECK_EVERY == 0 and bool(done.all())) or not keep_going():
+            if (step % check_every == 0 and bool(done.all())) or not keep_going():
                 break
             real = sample(cache.step(model, real, pos), **sampling)
             cache.sampled(real)
-            held = [n + 1 for n in held]
-            decode_bytes += per_step_weights + cache.step_bytes(held)
+            positions = [n + 1 for n in positions]
+            decode_bytes += per_step_weights + cache.step_bytes(positions)
             pos += 1
             steps += 1
             new_tokens.append(real)
@@ -211,7 +243,7 @@ def generate(model: Transformer, cache, prompts: list[list[int]], max_new_tokens
         with contextlib.suppress(Exception):
             cache.finish()
         raise
-    cache.finish()
+    cache.finish(keep)
     return GenerationResult(cut_at_stop(torch.cat(new_tokens, dim=1).tolist(), stop_ids), lengths.tolist(),
                             prefill_seconds, decode_seconds, steps, decode_bytes, cache.stats(steps))
 
@@ -301,10 +333,10 @@ def validate_args(args: argparse.Namespace) -> None:
 
 class TextStream:
     """Prints the first sequence's text as it grows (byte-level tokens can split a character), up
-    to its first stop token."""
+    to its first stop token (that token too, unless `hide_stop`)."""
 
-    def __init__(self, tokenizer: Tokenizer, stop_ids: frozenset, out=None):
-        self.tokenizer, self.stop_ids, self.out = tokenizer, stop_ids, out or sys.stdout
+    def __init__(self, tokenizer: Tokenizer, stop_ids: frozenset, out=None, hide_stop: bool = False):
+        self.tokenizer, self.stop_ids, self.out, self.hide_stop = tokenizer, stop_ids, out or sys.stdout, hide_stop
         self.ids, self.printed, self.stopped = [], "", False
 
     def __call__(self, tokens: Tensor) -> None:
@@ -312,6 +344,8 @@ class TextStream:
             return
         token = int(tokens[0, 0])
         self.stopped = token in self.stop_ids
+        if self.stopped and self.hide_stop:
+            return
         self.ids.append(token)
         text = self.tokenizer.decode(self.ids)
         if not text.endswith("\ufffd") and text.startswith(self.printed):
@@ -399,7 +433,7 @@ def run(args: argparse.Namespace) -> None:
         try:
             result = generate(model, cache, prompts, max_new_tokens, stop_ids=stop_ids, temperature=args.temperature,
                               top_k=args.top_k, compile_prefill=args.compile_prefill and args.cache == "full",
-                              callback=callback)
+                              callback=callback, prefill_chunk=args.prefill_chunk)
         except KeyboardInterrupt:
             if i >= 0:
                 print_so_far(tokenizer, prompts_text, [t.tolist() for t in so_far], streamed=stream, as_json=args.json)
@@ -444,8 +478,10 @@ def exit_on_signal(signum: int, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+def run_command(run: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> int:
+    """A command line's exit code for `run(args)` (generate.py, chat.py): SIGTERM and SIGHUP end it as
+    an exception would (a disk tier's files go); a UserError or SlowTierError is one `error:` line
+    (exit 2; with --debug, the traceback); Ctrl-C that reaches here is exit 130."""
     for name in ("SIGTERM", "SIGHUP"):  # SIGHUP: a closed terminal (not on Windows)
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), exit_on_signal)
@@ -460,6 +496,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("\n[interrupted]", file=sys.stderr)
         return 130
     return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return run_command(run, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

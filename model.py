@@ -22,6 +22,7 @@ Conventions
   forward stores k, v and returns the attention output. `KVCache` below is the full 16-bit cache;
   `specache.py` plugs in its own per-layer cache through the same call.
 """
+import itertools
 import math
 from typing import NamedTuple, Optional, Union
 
@@ -88,14 +89,17 @@ def slice_block_mask(causal: "BlockMask", input_pos: Tensor) -> "BlockMask":
 
 
 class CausalPrompt:
-    """The mask of prompts at positions 0..S-1: each query sees the keys up to its own position.
+    """The mask of prompt rows at positions start..start+S-1: each query sees the keys up to its own
+    position, those of the S rows and the `start` the cache holds already (a prompt prefilled in
+    chunks, or a conversation's new turn on top of the earlier ones).
 
-    `lengths` (B,), when given, says where each right-padded prompt ends; caches that keep only a
-    prompt's newest positions (RingKVCache) need it, full attention does not.
+    `lengths` (B,), when given, says where each right-padded prompt ends (its last position + 1,
+    counted from 0); caches that keep only a prompt's newest positions (RingKVCache) need it, full
+    attention does not.
     """
 
-    def __init__(self, lengths: Optional[Tensor] = None):
-        self.lengths = lengths
+    def __init__(self, lengths: Optional[Tensor] = None, start: int = 0):
+        self.lengths, self.start = lengths, start
 
 
 class CausalDecode(NamedTuple):
@@ -105,8 +109,15 @@ class CausalDecode(NamedTuple):
     visible: Tensor
 
 
+class Pass(NamedTuple):
+    """A SpeCache pass (specache.py), handed to each layer as the mask: new rows over everything
+    the cache holds, of which the first (the real token) is kept with `keep` (a decode step), none
+    without (the bootstrap); a speculative row is never kept."""
+    keep: bool
+
+
 CAUSAL_PROMPT = CausalPrompt()
-Mask = Union["BlockMask", Tensor, CausalPrompt, CausalDecode]
+Mask = Union["BlockMask", Tensor, CausalPrompt, CausalDecode, Pass]
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
@@ -119,8 +130,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
     if isinstance(mask, CausalDecode):
         mask = mask.visible
     if isinstance(mask, CausalPrompt):
-        seqlen = q.shape[2]
-        return F.scaled_dot_product_attention(q, k[:, :, :seqlen], v[:, :, :seqlen], is_causal=True, enable_gqa=gqa)
+        seqlen, start = q.shape[2], mask.start
+        if start == 0:
+            return F.scaled_dot_product_attention(q, k[:, :, :seqlen], v[:, :, :seqlen], is_causal=True,
+                                                  enable_gqa=gqa)
+        visible = torch.arange(start + seqlen, device=q.device) <= torch.arange(start, start + seqlen,
+                                                                                device=q.device)[:, None]
+        return F.scaled_dot_product_attention(q, k[:, :, :start + seqlen], v[:, :, :start + seqlen],
+                                              attn_mask=visible, enable_gqa=gqa)
     if isinstance(mask, Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
@@ -156,6 +173,39 @@ def prompt_attention(q: Tensor, k: Tensor, v: Tensor, window: Optional[int]) -> 
     return sliding_window_attention(q, k, v, window)
 
 
+def history_block(rows: int, multiple: int, budget: int = 1 << 24) -> int:
+    """How many history positions `attention_after_history` takes at a time for `rows` query rows
+    (batch x heads x S): about `budget` scores (64 MB in float32), a multiple of `multiple`."""
+    return max(multiple, budget // max(rows, 1) // multiple * multiple)
+
+
+def attention_after_history(q: Tensor, k: Tensor, v: Tensor, history) -> Tensor:
+    """Attention of rows q (B, H, S, D) at positions start..start+S-1 over the `start` positions
+    before them, given as `history`: (K, V) blocks (B, Hkv, n, D) in order, and causally over their
+    own k, v (B, Hkv, S, D). One softmax, in float32, taken block by block with the running maximum
+    and sum rescaled as each block comes (flash attention's rule), so one block of the history is
+    in memory at a time."""
+    b, n_heads, s, d = q.shape
+    n_kv = k.shape[1]
+    rows = (q.float() * d ** -0.5).reshape(b, n_kv, n_heads // n_kv * s, d)  # query head h reads KV head h // G
+    running_max = rows.new_full(rows.shape[:-1], float("-inf"))
+    total = rows.new_zeros(rows.shape[:-1])
+    out = torch.zeros_like(rows)
+    own = torch.arange(s, device=q.device)
+    causal = (own <= own[:, None]).repeat(n_heads // n_kv, 1)  # (G x S, S): row i is position i % S
+    for keys, values, visible in itertools.chain(((bk, bv, None) for bk, bv in history), [(k, v, causal)]):
+        scores = rows @ keys.float().transpose(-1, -2)
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
+        new_max = torch.maximum(running_max, scores.amax(-1))
+        rescale = torch.exp(running_max - new_max)  # 0 for the first block (exp(-inf))
+        weights = torch.exp(scores - new_max.unsqueeze(-1))
+        total = total * rescale + weights.sum(-1)
+        out = out * rescale.unsqueeze(-1) + weights @ values.float()
+        running_max = new_max
+    return (out / total.unsqueeze(-1)).reshape(b, n_heads, s, d).to(q.dtype)
+
+
 class KVCache(nn.Module):
     """The full cache: every position's K and V, preallocated, in the model's dtype or in 16 bits."""
 
@@ -185,6 +235,9 @@ class KVCache(nn.Module):
         causal = isinstance(mask, CausalDecode) or (BlockMask is not None and isinstance(mask, BlockMask))
         if causal and dense_cpu.takes(q, k_all):
             return dense_cpu.dense_decode_attention(q.float(), k_all, v_all, input_pos).to(q.dtype)
+        if isinstance(mask, CausalPrompt):  # the prompt reads the positions up to its own only
+            end = mask.start + q.shape[2]
+            k_all, v_all = k_all[:, :, :end], v_all[:, :, :end]
         if k_all.dtype != q.dtype:  # a 16-bit cache beside a float32 model
             k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)
         return attention(q, k_all, v_all, mask)
@@ -196,7 +249,8 @@ class RingKVCache(nn.Module):
 
     A step attends over the ring and its own new rows, masked by position (p <= query, and
     query - p < window), then writes its rows over the slots of the positions that just left the
-    window. Memory is window x heads x head_dim per sequence, however long the context.
+    window (under SpeCache's `Pass`, only the real row, if kept). Memory is window x heads x head_dim
+    per sequence, however long the context.
     """
 
     def __init__(self, max_batch_size: int, window: int, n_heads: int, head_dim: int, dtype: torch.dtype,
@@ -230,28 +284,43 @@ class RingKVCache(nn.Module):
         self.v_cache[batch, :, slots] = v.transpose(1, 2).to(self.v_cache.dtype)
         self.slot_pos[batch, slots] = input_pos
 
-    def ingest_prompt(self, k: Tensor, v: Tensor, lengths: Optional[Tensor] = None) -> None:
-        """Keep the newest `window` positions of prompts k, v (B, Hkv, S, D) from position 0 that
-        end at `lengths` (B,) (default: all S positions are real)."""
+    def ingest_prompt(self, k: Tensor, v: Tensor, lengths: Optional[Tensor] = None, start: int = 0) -> None:
+        """Keep, of prompt rows k, v (B, Hkv, S, D) at positions [start, start + S), those among each
+        prompt's newest `window` positions, the prompts ending at `lengths` (B,) (default: all S
+        rows are real). Rows past a prompt's end (right padding) are not kept."""
         batch, seqlen = k.shape[0], k.shape[2]
-        if lengths is None:
-            lengths = torch.full((batch,), seqlen, device=k.device)
-        positions = lengths.to(k.device)[:, None] - self.window + torch.arange(self.window, device=k.device)
-        index = positions.clamp(0, seqlen - 1)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        # The window positions before a short prompt's start are negative: they fill their slots
-        # (all `window` slots get written) and the mask never shows them.
-        self.write(k.gather(2, index), v.gather(2, index), positions)
+        ends = torch.full((batch,), start + seqlen, device=k.device)
+        if lengths is not None:
+            ends = torch.minimum(ends, lengths.to(k.device))
+        positions = ends[:, None] - self.window + torch.arange(self.window, device=k.device)  # (B, window)
+        index = (positions - start).clamp(0, seqlen - 1)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        new_k, new_v = k.gather(2, index).to(self.k_cache.dtype), v.gather(2, index).to(self.v_cache.dtype)
+        # From position 0 every slot is written: the window positions before a short prompt's start
+        # are negative, and the mask never shows them. Past it, positions before `start` keep what
+        # the ring holds (the earlier chunks').
+        batch_index, slots = torch.arange(batch, device=k.device)[:, None], positions % self.window
+        new_k, new_v = new_k.transpose(1, 2), new_v.transpose(1, 2)  # (B, window, Hkv, D), as the slots index
+        if start > 0:
+            from_rows = positions >= start
+            new_k = torch.where(from_rows[..., None, None], new_k, self.k_cache[batch_index, :, slots])
+            new_v = torch.where(from_rows[..., None, None], new_v, self.v_cache[batch_index, :, slots])
+            positions = torch.where(from_rows, positions, self.slot_pos[batch_index, slots])
+        self.k_cache[batch_index, :, slots] = new_k
+        self.v_cache[batch_index, :, slots] = new_v
+        self.slot_pos[batch_index, slots] = positions
 
     def fast_tier_bytes(self) -> int:
         """The ring's K, V and slot positions, all sequences."""
         return sum(t.numel() * t.element_size() for t in self.buffers())
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask: Mask) -> Tensor:
-        if isinstance(mask, CausalPrompt):
-            y = sliding_window_attention(q, k, v, self.window)
-            self.ingest_prompt(k, v, mask.lengths)
+        if isinstance(mask, CausalPrompt):  # from position 0 the ring holds nothing yet: only the rows count
+            y = sliding_window_attention(q, k, v, self.window) if mask.start == 0 else self.attend(q, k, v, input_pos)
+            self.ingest_prompt(k, v, mask.lengths, mask.start)
             return y
         y = self.attend(q, k, v, input_pos)
+        if isinstance(mask, Pass):  # a layer that slides under SpeCache: its rings stay 16-bit in the fast tier
+            k, v, input_pos = k[:, :, : int(mask.keep)], v[:, :, : int(mask.keep)], input_pos[:, : int(mask.keep)]
         self.write(k, v, input_pos)
         return y
 

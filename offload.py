@@ -61,6 +61,11 @@ class RamTier:
         slots_pos[:, :, slots] = positions
         slots_valid[:, :, slots] = valid
 
+    def read_range(self, first: int, last: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """Every sequence's pairs at positions [first, last), (B, Hkv, last - first, D) each (a
+        prefill on top of what the cache holds reads its history so)."""
+        return self.k[:, :, first:last], self.v[:, :, first:last]
+
     def keys_on(self, device: torch.device) -> Tensor:
         return self.k
 
@@ -241,6 +246,12 @@ class PinnedTier(RamTier):
     def prefetch(self, positions: Tensor, valid: Tensor, buffers: tuple[Tensor, Tensor, Tensor, Tensor],
                  slots: slice) -> None:
         pass  # started after the layer (after_layer), in the background
+
+    def read_range(self, first: int, last: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """Up on the compute stream, once the writes so far have landed (prefill, outside any graph)."""
+        self.wait_for_writes()
+        return (self.k[:, :, first:last].to(device, non_blocking=True),
+                self.v[:, :, first:last].to(device, non_blocking=True))
 
     def keys_on(self, device: torch.device) -> Tensor:
         return copy_keys_to(self, device)

@@ -82,12 +82,17 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
                         "per layer, read in the background by the speculative prefetch, for contexts whose 16-bit "
                         "cache outgrows RAM (beside a GPU it is always host RAM)")
     g.add_argument("--slow_tier_dir", default=None, metavar="DIR",
-                   help="--slow_tier disk: the directory its files go in, in a fresh folder per generation that is "
-                        "removed after it (default: the system's temp directory)")
+                   help="--slow_tier disk: the directory its files go in, in a fresh folder per generation (chat.py: "
+                        "per conversation) that is removed after it (default: the system's temp directory)")
     g.add_argument("--budget_tokens", type=int, default=None,
                    help="streaming/h2o: tokens kept per layer and KV head (default: as many as fit in the fast-tier "
                         "bytes SpeCache would use with the --specache_* settings at this length; see eviction.py)")
     g.add_argument("--sink_tokens", type=int, default=4, help="streaming: attention-sink tokens kept (default 4)")
+    g.add_argument("--prefill_chunk", type=int, default=None, metavar="N",
+                   help="prefill at most N positions per pass, each on top of the ones before (default: the whole "
+                        "prompt in one pass): only one chunk's activations, and with SpeCache one chunk's 16-bit K "
+                        "and V, are in memory at a time; SpeCache's chunks read the history's exact pairs from the "
+                        "slow tier (KIVI: its low-bit copy); not for streaming/h2o")
 
 
 def validate_cache_args(args: argparse.Namespace) -> None:
@@ -109,6 +114,11 @@ def validate_cache_args(args: argparse.Namespace) -> None:
         raise UserError(f"--full_16bit applies to --cache full, not {args.cache}")
     if args.budget_tokens is not None and args.cache not in EVICTION_CACHES:
         raise UserError(f"--budget_tokens applies to --cache streaming or h2o, not {args.cache}")
+    if args.prefill_chunk is not None and args.prefill_chunk <= 0:
+        raise UserError(f"--prefill_chunk must be at least 1 (got {args.prefill_chunk})")
+    if args.prefill_chunk is not None and args.cache in EVICTION_CACHES:
+        raise UserError(f"--prefill_chunk does not apply to --cache {args.cache}: it chooses what to keep over the "
+                        "whole prompt at once")
 
 
 def cache_from_args(args: argparse.Namespace, model: Transformer, batch_size: int, capacity: int,
@@ -132,7 +142,7 @@ def cache_from_args(args: argparse.Namespace, model: Transformer, batch_size: in
                 "cache, and it fetches only positions it quantized)")
     if args.slow_tier == "disk":
         log(f"Slow tier on disk: {cache.folder.nbytes() / 1e9:.2f} GB of files at this capacity, in a fresh folder "
-            f"under {cache.folder.parent} that goes when each generation ends")
+            f"under {cache.folder.parent} that goes when each generation (chat.py: each conversation) ends")
     return cache
 
 

@@ -279,7 +279,8 @@ class Engine:
         try:
             generate(self.model, cache, [job.prompt_ids for job in batch], new_tokens,
                               stop_ids=frozenset(self.tokenizer.stop_ids), temperature=temperature, top_k=top_k,
-                              callback=feed, keep_going=lambda: not all(job.finished for job in batch))
+                              callback=feed, keep_going=lambda: not all(job.finished for job in batch),
+                              prefill_chunk=self.args.prefill_chunk)
         except Exception as error:
             print(f"error: a batch of {len(batch)} failed: {type(error).__name__}: {error}", file=sys.stderr)
             self.cache = None  # whatever state it was left in goes

@@ -38,7 +38,7 @@ the window, nothing fetched).
 """
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -49,7 +49,7 @@ from kernels import lowbit_cpu
 from kernels.attention import (Segments, drop_from_lowbit, lowbit_part, merge_softmax, merged_output,
                                over_query_heads, positions_mask, query_rows, row_position_weights, select_top_k)
 from kernels.quant import LEVELS, LowBitKV, quantize_keys, quantize_values, sixteen_bit_dtype, value_group
-from model import CausalPrompt, RingKVCache, Transformer, attention
+from model import CausalPrompt, Pass, RingKVCache, Transformer, attention, attention_after_history, history_block
 from offload import PinnedTier, RamTier, held_match
 from selection import GUESSES, parse_select, queries_disagree, select_name
 from specache_stats import DIAGNOSTICS, cache_stats, diagnose, exact_real_row_probs, fast_tier_plan, step_bytes
@@ -138,13 +138,21 @@ class SpeCacheState:
         self.host_quantized_len = [0] * batch_size
         self.host_window_len = [0] * batch_size
 
+    def split(self, n: int) -> tuple[int, int]:
+        """(Lq, r) of a sequence that holds n tokens: whole groups of all but the newest R are
+        quantized, the rest (R to R + g - 1 tokens, or all n < R + g) stay in the window. Decode steps
+        keep this as they go (SpeCache.advance)."""
+        lq = max(0, n - self.residual) // self.config.group * self.config.group
+        return lq, n - lq
+
     def begin(self, lengths: list[int]) -> None:
-        """Sequence b will hold lengths[b] tokens: whole groups of all but the newest R are quantized
-        (Lq), the rest (R to R + g - 1 tokens) stay in the window."""
-        r, g = self.residual, self.config.group
-        self.host_quantized_len = [max(0, n - r) // g * g for n in lengths]
-        self.host_window_len = [n - lq for n, lq in zip(lengths, self.host_quantized_len)]
+        """Sequence b will hold lengths[b] tokens once its prompt is in."""
+        self.host_quantized_len, self.host_window_len = map(list, zip(*map(self.split, lengths)))
         self.sync()
+
+    def held(self) -> list[int]:
+        """The tokens each sequence holds."""
+        return [lq + r for lq, r in zip(self.host_quantized_len, self.host_window_len)]
 
     def sync(self) -> None:
         """The device copies of the host's lengths (pinned and asynchronous on a GPU: no wait)."""
@@ -161,22 +169,12 @@ class SpeCacheState:
                 for lq, r in zip(self.host_quantized_len, self.host_window_len)]
 
 
-# --- selection ---------------------------------------------------------------------------------
-# Which positions a step reads in 16 bits. selection.py holds the rules and their names (the
-# paper's, ours, each change alone); the layer below applies them: `exact_slots` (which fetched
-# pairs count), `pick_within_step` (the real row's own choice, and the correction), `choose_prefetch`
-# (the speculative row's choice for the next step); kernels/attention.py ranks positions.
-
-
 # --- one layer ---------------------------------------------------------------------------------
-
-
-class Pass(NamedTuple):
-    """What a SpeCache pass is, handed to each layer as the attention's mask argument: the bootstrap
-    (T1 alone, nothing kept) or a decode step (the real row's K, V kept)."""
-    keep: bool
-
-
+# Which positions a step reads in 16 bits: selection.py names the rules (the paper's, ours, each
+# change alone), the layer applies them: `exact_slots` (which fetched pairs count),
+# `pick_within_step` (the real row's own choice, and the correction), `choose_prefetch` (the
+# speculative row's choice for the next step); kernels/attention.py ranks positions. The mask each
+# layer gets is a model.Pass: the bootstrap (T1 alone, nothing kept), a decode step (the real row kept).
 BOOTSTRAP, DECODE = Pass(keep=False), Pass(keep=True)
 
 
@@ -283,15 +281,38 @@ class SpeCacheLayer(nn.Module):
         self.fetched_k[b, :, start: start + sinks] = k[:, :sinks].to(self.fetched_k.dtype)
         self.fetched_v[b, :, start: start + sinks] = v[:, :sinks].to(self.fetched_v.dtype)
 
-    def ingest_prompt(self, k: Tensor, v: Tensor) -> None:
-        """After prefill attention: quantize each prompt but its newest tokens, keep those in the
-        window, and send all of its 16-bit K, V to the slow tier."""
+    def ingest_prompt(self, k: Tensor, v: Tensor, start: int = 0) -> None:
+        """After the prompt's attention: its rows k, v (B, Hkv, S, D) at positions [start, start + S), up
+        to each prompt's end (as `begin` set it), join the window, whose whole groups beyond the newest R
+        are quantized, and go to the slow tier: in one piece or in chunks, the same result."""
         k, v = k.to(self.window_k.dtype), v.to(self.window_v.dtype)  # quantized from the 16-bit pairs, as flushes are
-        for b, (lq, r) in enumerate(zip(self.state.host_quantized_len, self.state.host_window_len)):
-            self._quantize_into(b, 0, k[b, :, :lq], v[b, :, :lq])
-            self.window_k[b, :, :r] = k[b, :, lq: lq + r]
-            self.window_v[b, :, :r] = v[b, :, lq: lq + r]
-            self.tier.write(b, 0, k[b, :, : lq + r], v[b, :, : lq + r])
+        for b, total in enumerate(self.state.held()):
+            end = min(total, start + k.shape[2])
+            if end <= start:
+                continue  # right padding only, in this chunk
+            (lq0, r0), (lq1, r1) = self.state.split(start), self.state.split(end)
+            rows_k, rows_v = k[b, :, : end - start], v[b, :, : end - start]
+            pending_k = torch.cat([self.window_k[b, :, :r0], rows_k], 1)  # positions [lq0, end)
+            pending_v = torch.cat([self.window_v[b, :, :r0], rows_v], 1)
+            if lq1 > lq0:
+                self._quantize_into(b, lq0, pending_k[:, : lq1 - lq0], pending_v[:, : lq1 - lq0])
+            self.window_k[b, :, :r1] = pending_k[:, lq1 - lq0:]
+            self.window_v[b, :, :r1] = pending_v[:, lq1 - lq0:]
+            self.tier.write(b, start, rows_k, rows_v)
+
+    def history(self, start: int, block: int):
+        """The pairs of positions [0, start) as (K, V) blocks (B, Hkv, <= block, D), in order, on the
+        layer's device: exact, from the slow tier; with nothing to fetch (KIVI), as its decode steps
+        read them: the low-bit copy below Lq, but the sinks."""
+        lq = self.state.split(start)[0] if self.config.topk == 0 else 0
+        for first in range(0, start, block):
+            k, v = self.tier.read_range(first, min(start, first + block), self.window_k.device)
+            low, sinks = min(lq, first + block) - first, max(0, self.n_sinks - first)  # whole groups: block % g == 0
+            if low > sinks:
+                low_k, low_v = self.lowbit().dequantized(first, first + low)
+                k, v = k.float(), v.float()  # copies, never the tier's own storage
+                k[:, :, sinks: low], v[:, :, sinks: low] = low_k[:, :, sinks:], low_v[:, :, sinks:]
+            yield k, v
 
     def flush_window(self, b: int) -> None:
         """Sequence b's window holds R + g tokens: quantize the oldest g (their 16-bit pairs are in
@@ -305,8 +326,12 @@ class SpeCacheLayer(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask) -> Tensor:
         if isinstance(mask, CausalPrompt):  # prefill: full precision, then the prompt is ingested
-            y = attention(q, k, v, mask)
-            self.ingest_prompt(k, v)
+            if mask.start == 0:
+                y = attention(q, k, v, mask)
+            else:  # over the history as the slow tier holds it, in blocks (prefill is compute-bound)
+                block = history_block(q.shape[0] * q.shape[1] * q.shape[2], self.config.group)
+                y = attention_after_history(q, k, v, self.history(mask.start, block))
+            self.ingest_prompt(k, v, mask.start)
             return y
         return self.step(q, k, v, keep=mask.keep)
 
@@ -441,8 +466,7 @@ class SpeCache:
         self.state = SpeCacheState(config, batch_size, capacity, device, c.head_dim, dtype, c.n_head // c.n_local_heads)
         if device.type == "cpu":
             lowbit_cpu.available()  # builds the C kernel now (once per machine), not while torch.compile traces
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specache-fetch") if device.type == "cuda" \
-            else None
+        executor = ThreadPoolExecutor(1, thread_name_prefix="specache-fetch") if device.type == "cuda" else None
         if config.slow_tier == "disk" and device.type != "cpu":
             raise ValueError("--slow_tier disk is for CPU-only machines: beside a GPU the slow tier is host RAM")
         self.folder = DiskFolder(config.slow_tier_dir) if config.slow_tier == "disk" else None
@@ -450,39 +474,51 @@ class SpeCache:
             window = layer.attention.window
             layer.attention.kv_cache = (
                 SpeCacheLayer(self.state, c.n_head, c.n_local_heads, c.head_dim, dtype, device, executor, self.folder)
-                if window is None else SpeCacheWindow(self.state, window, c.n_local_heads, c.head_dim, dtype, device))
+                if window is None else RingKVCache(batch_size, window, c.n_local_heads, c.head_dim, dtype, device))
         model.setup_rope(capacity + 1)  # the speculative row can sit one past the last real position
         model.max_batch_size, model.max_seq_length = batch_size, capacity
-        self.layers = [layer.attention.kv_cache for layer in model.layers
-                       if isinstance(layer.attention.kv_cache, SpeCacheLayer)]
-        self.rings = [layer.attention.kv_cache for layer in model.layers
-                      if isinstance(layer.attention.kv_cache, SpeCacheWindow)]
+        caches = [layer.attention.kv_cache for layer in model.layers]
+        self.layers = [cache for cache in caches if isinstance(cache, SpeCacheLayer)]
+        self.rings = [cache for cache in caches if isinstance(cache, RingKVCache)]  # 16-bit, in the fast tier
         self.speculative = config.speculative and config.topk > 0
         self.guess_next: Callable[[Tensor, Tensor, Tensor], Tensor] = GUESSES[config.guess]
         self.graph_breaks = config.splits_graph_on(device)
         # Beside a GPU and from the disk, fetches are handed to the background between layers; in a
         # CPU's RAM the tiers move nothing outside the layers, and a step is one pass of the model.
         self.whole_step = device.type == "cpu" and config.slow_tier == "ram"
+        self.chunks = True  # a prompt's chunk reads its history from the slow tier (KIVI: the low-bit copy)
 
-    def begin(self, tokens: Tensor, lengths: Tensor) -> None:
-        """A generation of the prompts `tokens` (B, S, right-padded to `lengths`) starts: every
-        per-generation buffer and count is reset."""
-        self.state.begin(lengths.tolist())
-        if self.folder is not None:
+    def begin(self, tokens: Tensor, lengths: Tensor, held: int = 0) -> None:
+        """A generation of the prompts `tokens` (B, S, right-padded to `lengths`) starts: every per-generation
+        buffer and count is reset. `held` > 0: each sequence holds that many tokens already (earlier
+        turns, kept by the last `finish(keep=True)`), which the prompts continue."""
+        if held and self.state.held() != [held] * len(self.state.held()):
+            raise ValueError(f"the cache holds {self.state.held()} tokens per sequence, not {held}: a continued "
+                             "generation starts where the last one ended")
+        if held and self.folder is not None and self.folder.path is None:
+            raise ValueError("the slow tier's files went with the last generation (finish without keep)")
+        self.state.begin((held + lengths).tolist())
+        if self.folder is not None and not held:
             self.folder.open()  # a fresh folder of empty files
         for layer in self.layers:
             layer.reset()
-        batch = lengths.shape[0]
-        self.history = torch.zeros(batch, self.state.capacity + 1, dtype=torch.long, device=self.device)  # real tokens
-        self.history[:, : tokens.shape[1]] = tokens
-        self.history_len = lengths.clone()
+        if not held:
+            self.history = torch.zeros(lengths.shape[0], self.state.capacity + 1, dtype=torch.long,
+                                       device=self.device)  # the real tokens, for the lookup guess
+        self.history[:, held: held + tokens.shape[1]] = tokens
+        self.history_len = held + lengths
         self.guess = self.guessed_from = None
         self.matches = torch.zeros((), dtype=torch.long, device=self.device)
 
     def ingest(self, recorded: list[tuple[Tensor, Tensor, Optional[list[Tensor]]]]) -> None:
         """Each layer's prompt K, V from a prefill done elsewhere (scripts/harness.py), after `begin`."""
+        lengths = torch.tensor(self.state.held(), device=self.device)
         for layer, (k, v, _) in zip(self.model.layers, recorded):
-            layer.attention.kv_cache.ingest_prompt(k, v)
+            cache = layer.attention.kv_cache
+            if isinstance(cache, RingKVCache):
+                cache.ingest_prompt(k, v, lengths)
+            else:
+                cache.ingest_prompt(k, v)
 
     def bootstrap(self, model: Transformer, first: Tensor, pos: Tensor) -> None:
         """T1 alone: it chooses kappa_1 and guesses T'2; its K, V are not kept. Eager (once per generation)."""
@@ -512,13 +548,13 @@ class SpeCache:
             self.matches += (self.guess_was == token).sum()
             self.guess = self.guess_next(self.guessed_from, self.history, self.history_len)
 
-    def finish(self) -> None:
-        """The generation ended, or failed: the last prefetch has landed (a GPU); the disk's files go."""
+    def finish(self, keep: bool = False) -> None:
+        """The generation ended, or failed: the last prefetch has landed (a GPU); the disk's files go unless `keep`."""
         try:
             for layer in self.layers:
                 layer.tier.before_layer()
         finally:
-            if self.folder is not None:
+            if self.folder is not None and not keep:
                 self.folder.close()
 
     def step_bytes(self, positions: list[int]) -> int:
@@ -561,31 +597,3 @@ class SpeCache:
             state.host_window_len[b] -= g
         if full or state.host_selectable_len() != selectable:
             state.sync()
-
-
-# --- sliding-window layers -----------------------------------------------------------------------
-
-
-class SpeCacheWindow(RingKVCache):
-    """A sliding-window layer under SpeCache (Gemma-3: five of every six layers see only the newest
-    positions): its ring of 16-bit pairs, all in the fast tier. It never looks further back, so
-    there is nothing to offload; it follows SpeCache's passes: every row attends over the ring,
-    only the real row's pair is kept."""
-
-    def __init__(self, state: SpeCacheState, window: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device):
-        super().__init__(state.quantized_len.shape[0], window, n_kv_heads, head_dim, dtype, device)
-        self.state = state
-
-    def ingest_prompt(self, k: Tensor, v: Tensor, lengths: Optional[Tensor] = None) -> None:
-        if lengths is None:
-            lengths = self.state.quantized_len + self.state.window_len
-        super().ingest_prompt(k, v, lengths)
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask) -> Tensor:
-        if isinstance(mask, CausalPrompt):
-            return super().forward(q, k, v, input_pos, mask)
-        y = self.attend(q, k, v, input_pos)
-        if mask.keep:  # the real row only; the speculative row's pair is dropped
-            self.write(k[:, :, :1], v[:, :, :1], input_pos[:, :1])
-        return y

@@ -119,6 +119,27 @@ class Tokenizer(ABC):
         return ids
 
 
+    @property
+    def end_of_turn_id(self) -> Optional[int]:
+        """The token that closes a turn in this chat format (where the model's reply stops)."""
+        return self.token_to_id({"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>",
+                                 "llama2": "</s>"}[self.chat_format])
+
+    def encode_next_turn(self, content: str) -> list[int]:
+        """Ids of the user's next turn in a conversation whose last reply ended with `end_of_turn_id`,
+        ending where the assistant's next reply starts: what follows that token in `encode_messages`
+        of the whole conversation, so that a chat can prefill only the new turn (chat.py)."""
+        if self.chat_format == "chatml":
+            return self.encode(f"\n<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n", bos=False)
+        if self.chat_format == "llama3":
+            return self.encode(f"<|start_header_id|>user<|end_header_id|>\n\n{content.strip()}<|eot_id|>"
+                               "<|start_header_id|>assistant<|end_header_id|>\n\n", bos=False)
+        if self.chat_format == "gemma":
+            return self.encode(f"\n<start_of_turn>user\n{content.strip()}<end_of_turn>\n<start_of_turn>model\n",
+                               bos=False)
+        return self.encode(f"[INST] {content.strip()} [/INST]", bos=True)
+
+
 def _configured_eos_ids(checkpoint_dir: Path) -> set[int]:
     ids: set[int] = set()
     for name in ("generation_config.json", "config.json"):

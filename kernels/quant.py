@@ -131,3 +131,12 @@ class LowBitKV(NamedTuple):
     v_zero: Tensor
     bits: int
     group: int
+
+    def dequantized(self, first: int, last: int) -> tuple[Tensor, Tensor]:
+        """fp32 keys and values (B, Hkv, last - first, D) of positions [first, last), whole groups."""
+        g = self.group
+        k = dequantize_keys(self.k_packed[:, :, first:last], self.k_scale[:, :, first // g: last // g],
+                            self.k_zero[:, :, first // g: last // g], self.bits, g)
+        v = dequantize_values(self.v_packed[:, :, first:last], self.v_scale[:, :, first:last],
+                              self.v_zero[:, :, first:last], self.bits, g)
+        return k, v

@@ -114,3 +114,13 @@ def gemma3_model(gemma3_checkpoint):
     from checkpoint import load_model
 
     return load_model(gemma3_checkpoint, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small tensors and a shared 2-core box: one thread is several times faster than two (modules
+    ask for it with `pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -58,15 +58,47 @@ class RefLayerCache(nn.Module):
 
     def prefill(self, q, k, v):
         """Ordinary causal attention over the right-padded prompts (padding comes after every real
-        position, so no real row sees it); then storage holds each prompt's K, V."""
+        position, so no real row sees it); then storage holds each prompt's K, V. On top of a held
+        history (one sequence), the rows see it too: exactly, or with nothing fetched (KIVI) as a
+        decode step would, dequantized below Lq but the sinks."""
         G = q.shape[1] // k.shape[1]
-        y = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(G, 1),
-                                           v.float().repeat_interleave(G, 1), is_causal=True)
+        if self.n[0] == 0:
+            y = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(G, 1),
+                                               v.float().repeat_interleave(G, 1), is_causal=True)
+        else:
+            n, S = self.n[0], q.shape[2]
+            K, V = self.K[0, :, :n].float(), self.V[0, :, :n].float()
+            if self.dec.k == 0:
+                Lq = max(0, n - self.dec.cfg.residual) // self.dec.cfg.group * self.dec.cfg.group
+                self.quantize_up_to(0, Lq)
+                low = (torch.arange(n) < Lq) & (torch.arange(n) >= min(self.dec.n_sinks, Lq))
+                K = torch.where(low[:, None], self.Kd[0, :, :n], K)
+                V = torch.where(low[:, None], self.Vd[0, :, :n], V)
+            keys = torch.cat([K, k[0].float()], 1).repeat_interleave(G, 0)[None]
+            values = torch.cat([V, v[0].float()], 1).repeat_interleave(G, 0)[None]
+            visible = torch.ones(S, n + S, dtype=torch.bool)
+            visible[:, n:] = torch.ones(S, S, dtype=torch.bool).tril()
+            y = F.scaled_dot_product_attention(q.float(), keys, values, attn_mask=visible)
         for b, length in enumerate(self.dec.lengths):
-            self.K[b, :, :length] = k[b, :, :length].to(self.dec.pair_dtype)
-            self.V[b, :, :length] = v[b, :, :length].to(self.dec.pair_dtype)
-            self.n[b] = length
+            self.K[b, :, self.n[b]: self.n[b] + length] = k[b, :, :length].to(self.dec.pair_dtype)
+            self.V[b, :, self.n[b]: self.n[b] + length] = v[b, :, :length].to(self.dec.pair_dtype)
+            self.n[b] += length
         return y.to(q.dtype)
+
+    def quantize_up_to(self, b, Lq):
+        """Groups that enter [0, Lq) are quantized once, from the pairs."""
+        cfg, g = self.dec.cfg, self.dec.cfg.group
+        while self.n_quantized[b] < Lq:
+            j = self.n_quantized[b]
+            Kg, Vg = self.K[b, :, j:j + g].float(), self.V[b, :, j:j + g].float()  # (Hkv, g, D)
+            n_kv, D = Kg.shape[0], Kg.shape[2]
+            # keys per channel over the group's g positions; values per token over gv channels
+            self.Kd[b, :, j:j + g] = fake_quant(Kg.transpose(1, 2), cfg.bits, cfg.levels,
+                                                self.dec.scale_dtype).transpose(1, 2)
+            gv = min(g, D)
+            self.Vd[b, :, j:j + g] = fake_quant(Vg.reshape(n_kv, g, D // gv, gv), cfg.bits, cfg.levels,
+                                                self.dec.scale_dtype).reshape(n_kv, g, D)
+            self.n_quantized[b] = j + g
 
     def attend(self, q, k_new, v_new, keys, values, exact):
         """Rows q (H, S, D) over the n stored positions (exact ones from `keys[0]`, others from the
@@ -91,17 +123,7 @@ class RefLayerCache(nn.Module):
         dec, cfg = self.dec, self.dec.cfg
         g, R, n = cfg.group, cfg.residual, self.n[b]
         Lq = max(0, n - R) // g * g
-        while self.n_quantized[b] < Lq:  # a group enters [0, Lq): quantize it once, from the pairs
-            j = self.n_quantized[b]
-            Kg, Vg = self.K[b, :, j:j + g].float(), self.V[b, :, j:j + g].float()  # (Hkv, g, D)
-            n_kv, D = Kg.shape[0], Kg.shape[2]
-            # keys per channel over the group's g positions; values per token over gv channels
-            self.Kd[b, :, j:j + g] = fake_quant(Kg.transpose(1, 2), cfg.bits, cfg.levels,
-                                                dec.scale_dtype).transpose(1, 2)
-            gv = min(g, D)
-            self.Vd[b, :, j:j + g] = fake_quant(Vg.reshape(n_kv, g, D // gv, gv), cfg.bits, cfg.levels,
-                                                dec.scale_dtype).reshape(n_kv, g, D)
-            self.n_quantized[b] = j + g
+        self.quantize_up_to(b, Lq)
         Kx, Vx = self.K[b, :, :n].float(), self.V[b, :, :n].float()
         # the dequantized copy below Lq; the window's positions are exact whatever E says
         keys = (Kx, torch.cat([self.Kd[b, :, :Lq], Kx[:, Lq:]], 1))
@@ -195,25 +217,33 @@ class ReferenceDecoder:
         return m.head(x, output_index)
 
     @torch.no_grad()
-    def generate(self, prompts, max_new_tokens):
-        """Greedy: (tokens, N per sequence with T1; every pass's logits after prefill, in order)."""
+    def generate(self, prompts, max_new_tokens, held=0):
+        """Greedy: (tokens, N per sequence with T1; every pass's logits after prefill, in order).
+        `held` > 0: one prompt that continues the last generation, whose cache holds `held` tokens
+        (all it had but its last token, which this prompt starts with)."""
         m, cfg, B = self.model, self.cfg, len(prompts)
         c = m.config
         assert all(c.window(i) is None for i in range(c.n_layer)), "sliding-window layers are not supported"
         saved = ([l.attention.kv_cache for l in m.layers], m.freqs_cis, m.freqs_cis_local)
         try:
             m.setup_rope(self.capacity + 2)
-            for layer in m.layers:
-                layer.attention.kv_cache = RefLayerCache(self, B, c.n_local_heads, c.head_dim)
+            if not held:
+                self.caches = [RefLayerCache(self, B, c.n_local_heads, c.head_dim) for _ in m.layers]
+                self.history = [[] for _ in prompts]
+            assert not held or (B == 1 and all(cache.n == [held] for cache in self.caches))
+            for layer, cache in zip(m.layers, self.caches):
+                layer.attention.kv_cache = cache
+                cache.P.zero_()  # a generation's first prefetch comes from its bootstrap
             self.lengths = [len(p) for p in prompts]
             padded = torch.zeros(B, max(self.lengths), dtype=torch.long)
             for b, p in enumerate(prompts):
                 padded[b, :len(p)] = torch.tensor(p)
-            self.mode = "prefill"
-            pos = torch.arange(padded.shape[1]).expand(B, -1)
+            self.mode, self.decoding = "prefill", False
+            pos = held + torch.arange(padded.shape[1]).expand(B, -1)
             last = torch.tensor(self.lengths)[:, None] - 1
             first = self.run(padded, pos, last)[:, -1].float().argmax(-1).tolist()
-            history = [list(p) + [t] for p, t in zip(prompts, first)]
+            history = [h[:held] + list(p) + [t] for h, p, t in zip(self.history, prompts, first)]
+            self.history = history
             out = [[t] for t in first]
             all_logits = []
             self.mode = "pass"
@@ -222,12 +252,12 @@ class ReferenceDecoder:
                 lambda b, row: int(row.argmax()))
             if speculative:  # bootstrap: [T1] at n, appends nothing, yields the first guess
                 self.decoding = False
-                logits = self.run(torch.tensor(first)[:, None], torch.tensor(self.lengths)[:, None])
+                logits = self.run(torch.tensor(first)[:, None], held + torch.tensor(self.lengths)[:, None])
                 all_logits.append(logits)
                 guesses = [guess_of(b, logits[b, -1].float()) for b in range(B)]
             self.decoding = True
             for step in range(max_new_tokens - 1):
-                n = torch.tensor([L + step for L in self.lengths])
+                n = torch.tensor([held + L + step for L in self.lengths])
                 current = torch.tensor([o[-1] for o in out])
                 if speculative:
                     tokens = torch.stack([current, torch.tensor(guesses)], 1)

@@ -9,6 +9,8 @@ from pathlib import Path
 import jinja2
 import pytest
 
+from test_tokenizer import assert_next_turn_continues
+
 from tokenizer import SentencePieceTokenizer, get_tokenizer
 
 # Gemma 3's chat template (its tokenizer_config.json), less the branches for list contents and role order.
@@ -201,3 +203,4 @@ def test_special_tokens_stop_ids_and_chat_format(gemma_tokenizer, hf_gemma):
         messages += [{"role": "assistant", "content": " Yes.\n"}, {"role": "user", "content": "And then?"}]
         text = template.render(messages=messages, bos_token="<bos>", add_generation_prompt=True)
         assert t.encode_messages(messages) == hf_gemma.encode(text, add_special_tokens=False).ids, text
+        assert_next_turn_continues(t, messages)

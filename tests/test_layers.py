@@ -21,7 +21,7 @@ LAYERS = [
     ["checkpoint"],
     ["options"],
     ["generate"],
-    ["serve"],
+    ["serve", "chat"],
 ]
 
 

@@ -48,13 +48,7 @@ SMOL_ATOL = 0.25
 SMOL_MEDIAN_ATOL = 0.01
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small tensors and a shared 2-core box: one thread is several times faster than two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_implementation(model, config, prompts, max_seq_length):

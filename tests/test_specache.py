@@ -352,7 +352,7 @@ def test_hybrid_models_offload_only_their_full_attention_layers():
     model = tiny_model(**HYBRID)
     result = run_specache(model, prompts_of(70), 8, SpeCacheConfig(**SMALL))
     kinds = [type(layer.attention.kv_cache).__name__ for layer in model.layers]
-    assert kinds == ["SpeCacheWindow", "SpeCacheLayer", "SpeCacheWindow"]
+    assert kinds == ["RingKVCache", "SpeCacheLayer", "RingKVCache"]
     stats = result.stats
     assert (stats["full_attention_layers"], stats["sliding_window_layers"]) == (1, 2)
     # a ring of 16-bit pairs, as the full cache's, plus each slot's position (8 bytes)

@@ -56,6 +56,19 @@ def test_smollm2_tokenizer_splits_digits_and_knows_its_special_tokens(smollm2_to
     assert smollm2_tokenizer.vocab_size == 49152
 
 
+def assert_next_turn_continues(tokenizer, conversation):
+    """A conversation [..., user, assistant, user] in ids is the ids of all but its last two messages,
+    the reply and its end-of-turn token, then encode_next_turn of the last message: what chat.py
+    prefills for a turn on top of the cache is what the whole conversation's template gives."""
+    *before, reply, turn = conversation
+    whole, first = tokenizer.encode_messages(conversation), tokenizer.encode_messages(before)
+    following = tokenizer.encode_next_turn(turn["content"])
+    assert whole[: len(first)] == first and whole[-len(following):] == following
+    middle = whole[len(first): -len(following)]
+    assert middle[-1] == tokenizer.end_of_turn_id
+    assert tokenizer.decode(middle[:-1]).strip() == reply["content"].strip()
+
+
 def test_chatml_matches_the_models_own_template(smollm2_tokenizer, smollm2_checkpoint):
     import json
 
@@ -69,6 +82,7 @@ def test_chatml_matches_the_models_own_template(smollm2_tokenizer, smollm2_check
         conversation = messages + [{"role": "assistant", "content": "A KV cache."}, {"role": "user", "content": "More?"}]
         expected = env.from_string(template).render(messages=conversation, add_generation_prompt=True)
         assert smollm2_tokenizer.decode(smollm2_tokenizer.encode_messages(conversation)) == expected
+        assert_next_turn_continues(smollm2_tokenizer, conversation)
     with pytest.raises(ValueError, match="roles"):
         smollm2_tokenizer.encode_messages([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}])
 
@@ -120,6 +134,7 @@ def test_tiktoken_wrapper_matches_tiktoken(tiny_tiktoken_file):
     expected = jinja2.Template(LLAMA3_TEMPLATE).render(messages=messages, bos_token="<|begin_of_text|>",
                                                        add_generation_prompt=True)
     assert tokenizer.encode_messages(messages) == reference.encode(expected, allowed_special="all")
+    assert_next_turn_continues(tokenizer, messages)
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +166,5 @@ def test_sentencepiece_wrapper_matches_sentencepiece(tiny_sentencepiece_file):
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": " Hi "}]
         expected = jinja2.Template(LLAMA2_TEMPLATE).render(messages=messages, bos_token="")
         assert tokenizer.encode_chat(" Hi ", system) == [reference.bos_id()] + reference.encode(expected)
+        assert_next_turn_continues(tokenizer, messages + [{"role": "assistant", "content": "Hello. "},
+                                                          {"role": "user", "content": "Again"}])
