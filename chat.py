@@ -35,12 +35,15 @@ class Conversation:
         self.last: Optional[GenerationResult] = None
 
     def next_prompt(self, tokenizer, text: str, system: Optional[str]) -> list[int]:
-        """The ids this turn prefills: the whole first turn, or the last reply's last token (closed
-        with the end-of-turn token if the reply was cut) and the new user turn."""
+        """The ids this turn prefills: the whole first turn, or the end of the last reply and the new
+        user turn. The reply's last token ends its turn if it is a stop token (the end-of-turn token
+        in its place: another, <|endoftext|> say, is not what the chat format puts there), else it
+        is followed by one (a reply cut by --max_new_tokens or Ctrl-C)."""
         if self.pending is None:
             return tokenizer.encode_chat(text, system)
-        closing = [] if self.pending == tokenizer.end_of_turn_id else [tokenizer.end_of_turn_id]
-        return [self.pending] + closing + tokenizer.encode_next_turn(text)
+        end = [tokenizer.end_of_turn_id] if self.pending in tokenizer.stop_ids else [self.pending,
+                                                                                     tokenizer.end_of_turn_id]
+        return end + tokenizer.encode_next_turn(text)
 
     def answered(self, prompt: list[int], result: GenerationResult) -> None:
         self.held += len(prompt) + len(result.tokens[0]) - 1
@@ -65,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def answer(model, cache, tokenizer, prompt: list[int], conversation: Conversation, args, capacity: int):
-    """Stream one reply to stdout; Ctrl-C ends it after the current step (the cache stays whole)."""
+    """Stream one reply to stdout and count it into the conversation; Ctrl-C ends it after the
+    current step (after the prefill, if it comes during one), and the cache stays whole."""
     stopped = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: stopped.append(True))
     stream = TextStream(tokenizer, frozenset(tokenizer.stop_ids), hide_stop=True)
@@ -74,6 +78,7 @@ def answer(model, cache, tokenizer, prompt: list[int], conversation: Conversatio
                           stop_ids=frozenset(tokenizer.stop_ids), temperature=args.temperature, top_k=args.top_k,
                           callback=stream, keep_going=lambda: not stopped, prefill_chunk=args.prefill_chunk,
                           held=conversation.held, keep=True)
+        conversation.answered(prompt, result)
     finally:
         signal.signal(signal.SIGINT, previous)
     print(flush=True)
@@ -152,7 +157,6 @@ def run(args: argparse.Namespace) -> None:
                 log(f"error: {error}; the conversation starts over")
                 conversation = Conversation()
                 continue
-            conversation.answered(prompt, result)
             log(f"[{len(prompt)} tokens prefilled in {result.prefill_seconds:.2f} s, {len(result.tokens[0])} generated "
                 f"at {result.decode_tokens_per_second:.1f} tok/s, {time.perf_counter() - t0:.1f} s; "
                 f"{conversation.held} of {capacity} tokens in the cache]")

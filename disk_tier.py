@@ -300,9 +300,21 @@ class DiskTier:
 
     def read_range(self, first: int, last: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """Every sequence's pairs at positions [first, last), (B, Hkv, last - first, D) each: one
-        sequential read per sequence (a prefill on top of what the cache holds reads its history so)."""
-        rows = self.mapped().view(self.batch, self.capacity, self.n_kv_heads, 2, self.head_dim)[:, first:last]
-        pairs = rows.permute(3, 0, 2, 1, 4).clone()  # (2, B, Hkv, N, D), out of the map
+        sequential read per sequence (a prefill on top of what the cache holds reads its history so;
+        the map's reads would go a page at a time, without readahead)."""
+        rows = torch.empty(self.batch, last - first, self.n_kv_heads, 2, self.head_dim, dtype=self.dtype)
+        try:
+            for b in range(self.batch):
+                view, offset = memoryview(rows[b].view(-1).view(torch.uint8).numpy()), \
+                    (b * self.capacity + first) * self.position_bytes
+                while view:
+                    n = os.preadv(self.fd, [view], offset)
+                    if n == 0:
+                        raise OSError(errno.EIO, "the slow tier's file ended early")
+                    view, offset = view[n:], offset + n
+        except OSError as error:
+            self.folder.fail(error, "reading")
+        pairs = rows.permute(3, 0, 2, 1, 4)  # (2, B, Hkv, N, D)
         return pairs[0], pairs[1]
 
     def keys_on(self, device: torch.device) -> Tensor:

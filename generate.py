@@ -73,7 +73,7 @@ def prefill(model: Transformer, tokens: Tensor, lengths: Tensor, start: int = 0,
     Attention is SDPA's causal kernel, compiled or not: compiled FlexAttention prefill on CPU failed
     to build or gave wrong logits in torch 2.13 (decode, one query per sequence, is fine).
     """
-    forward = forward or model
+    forward = model if forward is None else forward  # (a compiled module has no truth value)
     batch, seqlen = tokens.shape
     chunk = min(chunk or seqlen, seqlen)
     last = lengths - 1  # each prompt's last row, whose logits give its first new token

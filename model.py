@@ -22,7 +22,6 @@ Conventions
   forward stores k, v and returns the attention output. `KVCache` below is the full 16-bit cache;
   `specache.py` plugs in its own per-layer cache through the same call.
 """
-import itertools
 import math
 from typing import NamedTuple, Optional, Union
 
@@ -129,15 +128,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
     gqa = q.shape[1] != k.shape[1]
     if isinstance(mask, CausalDecode):
         mask = mask.visible
-    if isinstance(mask, CausalPrompt):
-        seqlen, start = q.shape[2], mask.start
-        if start == 0:
-            return F.scaled_dot_product_attention(q, k[:, :, :seqlen], v[:, :, :seqlen], is_causal=True,
-                                                  enable_gqa=gqa)
-        visible = torch.arange(start + seqlen, device=q.device) <= torch.arange(start, start + seqlen,
-                                                                                device=q.device)[:, None]
-        return F.scaled_dot_product_attention(q, k[:, :, :start + seqlen], v[:, :, :start + seqlen],
-                                              attn_mask=visible, enable_gqa=gqa)
+    if isinstance(mask, CausalPrompt):  # from position 0 (a cache's prompt on top of its history: KVCache)
+        seqlen = q.shape[2]
+        return F.scaled_dot_product_attention(q, k[:, :, :seqlen], v[:, :, :seqlen], is_causal=True, enable_gqa=gqa)
     if isinstance(mask, Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
@@ -173,37 +166,60 @@ def prompt_attention(q: Tensor, k: Tensor, v: Tensor, window: Optional[int]) -> 
     return sliding_window_attention(q, k, v, window)
 
 
-def history_block(rows: int, multiple: int, budget: int = 1 << 24) -> int:
+def history_block(batch: int, n_heads: int, rows: int, head_dim: int, multiple: int, budget: int = 1 << 24) -> int:
     """How many history positions `attention_after_history` takes at a time for `rows` query rows
-    (batch x heads x S): about `budget` scores (64 MB in float32), a multiple of `multiple`."""
-    return max(multiple, budget // max(rows, 1) // multiple * multiple)
+    per head: about `budget` float32 elements (64 MB) of scores or of K and V widened to every query
+    head, whichever is larger; a multiple of `multiple`."""
+    per_position = batch * n_heads * max(rows, 2 * head_dim)
+    return max(multiple, budget // per_position // multiple * multiple)
+
+
+def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+    """Softmax attention of q (B, H, S, D) over k, v (B, Hkv, N, D) in float32 (causal: N = S, row i
+    sees keys 0..i), and each row's log-sum-exp of scores (B, H, S), by which partial attentions over
+    disjoint keys merge into one. On a CPU, ATen's flash-attention kernel (several times faster than
+    the plain-PyTorch `attention_with_lse_reference`, which serves elsewhere)."""
+    if q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        group = q.shape[1] // k.shape[1]
+        k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.float(), k, v, 0.0, causal)
+        return out, lse
+    return attention_with_lse_reference(q, k, v, causal)
+
+
+def attention_with_lse_reference(q: Tensor, k: Tensor, v: Tensor, causal: bool,
+                                 budget: int = 1 << 24) -> tuple[Tensor, Tensor]:
+    """The same in plain PyTorch, the rows in tiles of about `budget` scores."""
+    b, n_heads, s, d = q.shape
+    n_kv, n = k.shape[1], k.shape[2]
+    rows = (q.float() * d ** -0.5).view(b, n_kv, n_heads // n_kv, s, d)  # query head h reads KV head h // G
+    keys, values = k.float().unsqueeze(2), v.float().unsqueeze(2)
+    tile = max(1, budget // (b * n_heads * n))
+    outs, lses = [], []
+    for first in range(0, s, tile):
+        scores = rows[:, :, :, first: first + tile] @ keys.transpose(-1, -2)  # (B, Hkv, G, tile, N)
+        if causal:
+            own = torch.arange(first, first + scores.shape[3], device=q.device)
+            scores = scores.masked_fill(torch.arange(n, device=q.device) > own[:, None], float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        outs.append(torch.exp(scores - lse.unsqueeze(-1)) @ values)
+        lses.append(lse)
+    return torch.cat(outs, 3).reshape(b, n_heads, s, d), torch.cat(lses, 3).reshape(b, n_heads, s)
 
 
 def attention_after_history(q: Tensor, k: Tensor, v: Tensor, history) -> Tensor:
     """Attention of rows q (B, H, S, D) at positions start..start+S-1 over the `start` positions
     before them, given as `history`: (K, V) blocks (B, Hkv, n, D) in order, and causally over their
-    own k, v (B, Hkv, S, D). One softmax, in float32, taken block by block with the running maximum
-    and sum rescaled as each block comes (flash attention's rule), so one block of the history is
-    in memory at a time."""
-    b, n_heads, s, d = q.shape
-    n_kv = k.shape[1]
-    rows = (q.float() * d ** -0.5).reshape(b, n_kv, n_heads // n_kv * s, d)  # query head h reads KV head h // G
-    running_max = rows.new_full(rows.shape[:-1], float("-inf"))
-    total = rows.new_zeros(rows.shape[:-1])
-    out = torch.zeros_like(rows)
-    own = torch.arange(s, device=q.device)
-    causal = (own <= own[:, None]).repeat(n_heads // n_kv, 1)  # (G x S, S): row i is position i % S
-    for keys, values, visible in itertools.chain(((bk, bv, None) for bk, bv in history), [(k, v, causal)]):
-        scores = rows @ keys.float().transpose(-1, -2)
-        if visible is not None:
-            scores = scores.masked_fill(~visible, float("-inf"))
-        new_max = torch.maximum(running_max, scores.amax(-1))
-        rescale = torch.exp(running_max - new_max)  # 0 for the first block (exp(-inf))
-        weights = torch.exp(scores - new_max.unsqueeze(-1))
-        total = total * rescale + weights.sum(-1)
-        out = out * rescale.unsqueeze(-1) + weights @ values.float()
-        running_max = new_max
-    return (out / total.unsqueeze(-1)).reshape(b, n_heads, s, d).to(q.dtype)
+    own k, v (B, Hkv, S, D). One softmax, in float32: the attention over each block and its log-sum-
+    exp, merged as they come (flash attention's rule), so one block of the history is in memory at
+    a time."""
+    out, lse = attention_with_lse(q, k, v, causal=True)
+    for block_k, block_v in history:
+        block_out, block_lse = attention_with_lse(q, block_k, block_v, causal=False)
+        merged = torch.logaddexp(lse, block_lse)
+        out = out * torch.exp(lse - merged).unsqueeze(-1) + block_out * torch.exp(block_lse - merged).unsqueeze(-1)
+        lse = merged
+    return out.to(q.dtype)
 
 
 class KVCache(nn.Module):
@@ -235,9 +251,12 @@ class KVCache(nn.Module):
         causal = isinstance(mask, CausalDecode) or (BlockMask is not None and isinstance(mask, BlockMask))
         if causal and dense_cpu.takes(q, k_all):
             return dense_cpu.dense_decode_attention(q.float(), k_all, v_all, input_pos).to(q.dtype)
-        if isinstance(mask, CausalPrompt):  # the prompt reads the positions up to its own only
-            end = mask.start + q.shape[2]
-            k_all, v_all = k_all[:, :, :end], v_all[:, :, :end]
+        if isinstance(mask, CausalPrompt) and mask.start:  # rows on top of a history: over it in blocks
+            start, block = mask.start, history_block(*q.shape, FLEX_BLOCK_SIZE)
+            history = ((k_all[:, :, i: min(start, i + block)], v_all[:, :, i: min(start, i + block)])
+                       for i in range(0, start, block))
+            end = start + q.shape[2]  # its own rows as the cache holds them (16 bits with --full_16bit)
+            return attention_after_history(q, k_all[:, :, start:end], v_all[:, :, start:end], history)
         if k_all.dtype != q.dtype:  # a 16-bit cache beside a float32 model
             k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)
         return attention(q, k_all, v_all, mask)

@@ -250,8 +250,10 @@ class PinnedTier(RamTier):
     def read_range(self, first: int, last: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """Up on the compute stream, once the writes so far have landed (prefill, outside any graph)."""
         self.wait_for_writes()
-        return (self.k[:, :, first:last].to(device, non_blocking=True),
-                self.v[:, :, first:last].to(device, non_blocking=True))
+        # a slice of several sequences or heads is not contiguous: gathered into pinned memory first,
+        # so that the upload is asynchronous (torch's pinned allocator keeps it until the copy is done)
+        return tuple(torch.empty(x[:, :, first:last].shape, dtype=x.dtype, pin_memory=True)
+                     .copy_(x[:, :, first:last]).to(device, non_blocking=True) for x in (self.k, self.v))
 
     def keys_on(self, device: torch.device) -> Tensor:
         return copy_keys_to(self, device)

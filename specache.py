@@ -284,7 +284,7 @@ class SpeCacheLayer(nn.Module):
     def ingest_prompt(self, k: Tensor, v: Tensor, start: int = 0) -> None:
         """After the prompt's attention: its rows k, v (B, Hkv, S, D) at positions [start, start + S), up
         to each prompt's end (as `begin` set it), join the window, whose whole groups beyond the newest R
-        are quantized, and go to the slow tier: in one piece or in chunks, the same result."""
+        are quantized, and go to the slow tier: in one piece or in chunks, the same groups."""
         k, v = k.to(self.window_k.dtype), v.to(self.window_v.dtype)  # quantized from the 16-bit pairs, as flushes are
         for b, total in enumerate(self.state.held()):
             end = min(total, start + k.shape[2])
@@ -310,7 +310,7 @@ class SpeCacheLayer(nn.Module):
             low, sinks = min(lq, first + block) - first, max(0, self.n_sinks - first)  # whole groups: block % g == 0
             if low > sinks:
                 low_k, low_v = self.lowbit().dequantized(first, first + low)
-                k, v = k.float(), v.float()  # copies, never the tier's own storage
+                k, v = k.to(torch.float32, copy=True), v.to(torch.float32, copy=True)  # never the tier's storage
                 k[:, :, sinks: low], v[:, :, sinks: low] = low_k[:, :, sinks:], low_v[:, :, sinks:]
             yield k, v
 
@@ -329,7 +329,7 @@ class SpeCacheLayer(nn.Module):
             if mask.start == 0:
                 y = attention(q, k, v, mask)
             else:  # over the history as the slow tier holds it, in blocks (prefill is compute-bound)
-                block = history_block(q.shape[0] * q.shape[1] * q.shape[2], self.config.group)
+                block = history_block(*q.shape, self.config.group)
                 y = attention_after_history(q, k, v, self.history(mask.start, block))
             self.ingest_prompt(k, v, mask.start)
             return y

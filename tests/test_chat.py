@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from caches import FullCache
 from generate import generate
@@ -57,7 +56,7 @@ def test_three_turns_through_stdin(smollm2_checkpoint, smollm2_model, cache):
         expected.append(shown(tokenizer, answer))
         if turn is not TURNS[-1]:
             closing = [] if answer[-1] == tokenizer.end_of_turn_id else [tokenizer.end_of_turn_id]
-            prompt = context + closing + tokenizer.encode_next_turn(TURNS[TURNS.index(turn) + 1])
+            prompt = context + closing + tokenizer.encode_next_turn(TURNS[TURNS.index(turn) + 1])  # the template
     lines = result.stdout.splitlines()
     assert "\n".join(lines[:-2]) == "\n".join(expected)
     held_line, cache_line = lines[-2:]
@@ -107,10 +106,3 @@ def test_ctrl_c_stops_the_answer_not_the_session(smollm2_checkpoint, tmp_path):
 def test_eviction_caches_cannot_chat(smollm2_checkpoint):
     result = chat(smollm2_checkpoint, ["Hi"], "--cache", "h2o")
     assert result.returncode == 2 and "cannot hold a conversation" in result.stderr
-
-
-@pytest.fixture(autouse=True)
-def few_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)

@@ -14,6 +14,7 @@ import torch
 from caches import FullCache, make_cache
 from conftest import tiny_model
 from generate import generate
+from model import attention_after_history, attention_with_lse, attention_with_lse_reference
 from reference_decoder import ReferenceDecoder
 from specache import SpeCache, SpeCacheConfig
 from test_reference_decoder import TINY_ATOL, TINY_MIN_GAP, spread_prompt
@@ -21,6 +22,33 @@ from test_specache import HYBRID, ROOMY, SMALL, prompts_of
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_with_lse_matches_its_reference(causal):
+    """The CPU's flash kernel against the plain-PyTorch twin, GQA (9 query heads over 3)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 9, 37, 64, generator=g)
+    k, v = torch.randn(2, 3, 37 if causal else 101, 64, generator=g), torch.randn(2, 3, 37 if causal else 101, 64,
+                                                                                  generator=g)
+    out, lse = attention_with_lse(q, k, v, causal)
+    ref_out, ref_lse = attention_with_lse_reference(q, k, v, causal)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_after_history_is_one_softmax_over_everything():
+    """Rows at positions 100..136 over 100 history positions in blocks of 32, 32, 32, 4 and over
+    themselves causally == SDPA over all 137 keys with the causal mask at that offset."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(2, 9, 37, 64, generator=g), torch.randn(2, 3, 37, 64, generator=g), torch.randn(
+        2, 3, 37, 64, generator=g)
+    history_k, history_v = torch.randn(2, 3, 100, 64, generator=g), torch.randn(2, 3, 100, 64, generator=g)
+    blocks = [(history_k[:, :, i: i + 32], history_v[:, :, i: i + 32]) for i in range(0, 100, 32)]
+    keys, values = torch.cat([history_k, k], 2), torch.cat([history_v, v], 2)
+    visible = torch.arange(137) <= torch.arange(100, 137)[:, None]
+    expected = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
+    torch.testing.assert_close(attention_after_history(q, k, v, blocks), expected, atol=1e-5, rtol=1e-5)
 
 
 def exact_specache(model, batch):
@@ -52,6 +80,16 @@ def test_a_prompt_in_chunks_gives_the_tokens_of_one_piece(cache, layout):
     for chunk in (16, 37):
         assert generate(model, CACHES[cache](model, 3), prompts, 20, temperature=0,
                         prefill_chunk=chunk).tokens == whole.tokens, chunk
+
+
+def test_compiled_prefill_in_chunks_gives_the_eager_tokens():
+    """--compile_prefill compiles the model's pass of each chunk (the full cache)."""
+    model = tiny_model()
+    prompts = prompts_of(45, 83)
+    eager = generate(model, FullCache(model, 2, 120), prompts, 8, temperature=0, prefill_chunk=32)
+    compiled = generate(model, FullCache(model, 2, 120), prompts, 8, temperature=0, prefill_chunk=32,
+                        compile_prefill=True)
+    assert compiled.tokens == eager.tokens
 
 
 def converse(model, cache, first_prompt, turns, new_tokens, prefill_chunk=None):
