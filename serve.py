@@ -143,7 +143,9 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     ids: list[int] = field(default_factory=list)  # the answer's tokens, without a stop token
     generated: int = 0  # tokens the model gave this request, a stop token included
+    text: str = ""  # the answer's text so far, whole characters
     sent: str = ""  # text handed to the client so far
+    decoded: tuple[int, int] = (0, 0)  # (prefix, read): ids[prefix:read] were decoded last, ids[read:] are new
     finished: bool = False  # the answer is complete, failed, or no longer wanted
     stats: dict = field(default_factory=dict)  # the batch's cache statistics when this answer ended
     stats_source: Callable[[], dict] = dict
@@ -157,20 +159,32 @@ class Job:
             return
         self.generated += 1
         if token in self.tokenizer.stop_ids:
+            self._send(self.text + self._new_text(final=True))  # what waited for a stop string that never came
             return self.finish("stop")
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        text = self.text = self.text + self._new_text(final=len(self.ids) >= self.max_tokens)
+        # a stop string starts after what was sent: text that could begin one is held back
+        hits = [i for i in (text.find(s, len(self.sent)) for s in self.stops) if i >= 0]
         if hits:
             self._send(text[:min(hits)])
             return self.finish("stop")
         if len(self.ids) >= self.max_tokens:
             self._send(text)
             return self.finish("length")
-        if text.endswith("\ufffd"):  # a character split between tokens: wait for the rest
-            return
         hold = max((n for s in self.stops for n in range(len(s) - 1, 0, -1) if text.endswith(s[:n])), default=0)
         self._send(text[:len(text) - hold])  # what could begin a stop string waits
+
+    def _new_text(self, final: bool = False) -> str:
+        """The text the newest ids add, decoding only them and the few before (as HF's streamers do:
+        a token's text can depend on the one before it); '' while a character is split between
+        tokens, unless `final`."""
+        prefix, read = self.decoded
+        before = self.tokenizer.decode(self.ids[prefix:read])
+        after = self.tokenizer.decode(self.ids[prefix:])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""
+        self.decoded = (read, len(self.ids))
+        return after[len(before):]
 
     def _send(self, text: str) -> None:
         if text.startswith(self.sent) and len(text) > len(self.sent):

@@ -203,6 +203,44 @@ def test_job_holds_back_text_that_may_begin_a_stop_string(tokenizer):
     loop.close()
 
 
+def job_pieces(job, loop):
+    loop.run_until_complete(asyncio.sleep(0))
+    events = []
+    while not job.events.empty():
+        events.append(job.events.get_nowait())
+    return "".join(e[1] for e in events if e[0] == "text"), events[-1]
+
+
+def test_job_decodes_only_the_newest_tokens_and_loses_no_text(tokenizer):
+    """Token by token, the pieces add up to the whole answer's text (characters split between byte
+    tokens included), each decode sees a few tokens (not the whole answer: no quadratic cost), and
+    text held back for a stop string that never came goes out at the stop token."""
+    text = "naïve café, 日本語のテキスト 😀🚀 and so on. " * 8
+    ids = tokenizer.encode(text, bos=False)
+    seen = []
+
+    class Counting:
+        stop_ids = tokenizer.stop_ids
+
+        def decode(self, some):
+            seen.append(len(some))
+            return tokenizer.decode(some)
+
+    loop = asyncio.new_event_loop()
+    job = Job([1], 10_000, ["never"], (0.0, None, None), Counting(), loop)
+    for token in ids:
+        job.feed(token)
+    job.feed(next(iter(tokenizer.stop_ids)))
+    pieces, last = job_pieces(job, loop)
+    assert pieces == tokenizer.decode(ids) and last == ("done", "stop")
+    assert len(ids) > 100 and max(seen) <= 8
+    job = Job([1], 50, ["Paris."], (0.0, None, None), tokenizer, loop)
+    for token in tokenizer.encode(" The capital is Pari", bos=False) + [next(iter(tokenizer.stop_ids))]:
+        job.feed(token)
+    assert job_pieces(job, loop) == (" The capital is Pari", ("done", "stop"))
+    loop.close()
+
+
 def test_bad_options_are_one_error_line(capsys):
     assert main(["--cache", "nonsense"]) == 2
     assert capsys.readouterr().err.startswith("error: unknown --cache 'nonsense'")
