@@ -26,7 +26,7 @@ from model import CausalPrompt, Transformer, flex_attention_available
 from options import (add_cache_arguments, add_model_arguments, cache_from_args, cache_summary, model_dtype, pick_device,
                      validate_cache_args)
 from quantize import Int4Linear, Int8Linear
-from tokenizer import Tokenizer
+from tokenizer import IncrementalText, Tokenizer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,8 +336,8 @@ class TextStream:
     to its first stop token (that token too, unless `hide_stop`)."""
 
     def __init__(self, tokenizer: Tokenizer, stop_ids: frozenset, out=None, hide_stop: bool = False):
-        self.tokenizer, self.stop_ids, self.out, self.hide_stop = tokenizer, stop_ids, out or sys.stdout, hide_stop
-        self.ids, self.printed, self.stopped = [], "", False
+        self.stop_ids, self.out, self.hide_stop = stop_ids, out or sys.stdout, hide_stop
+        self.text, self.stopped = IncrementalText(tokenizer), False
 
     def __call__(self, tokens: Tensor) -> None:
         if self.stopped:
@@ -346,12 +346,10 @@ class TextStream:
         self.stopped = token in self.stop_ids
         if self.stopped and self.hide_stop:
             return
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if not text.endswith("\ufffd") and text.startswith(self.printed):
-            self.out.write(text[len(self.printed):])
+        piece = self.text.add(token)
+        if piece:
+            self.out.write(piece)
             self.out.flush()
-            self.printed = text
 
 
 def peak_memory_bytes(device: torch.device) -> int:

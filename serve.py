@@ -50,7 +50,7 @@ from generate import generate
 from model import Transformer
 from options import (add_cache_arguments, add_model_arguments, cache_from_args, model_dtype, pick_device,
                      validate_cache_args)
-from tokenizer import Tokenizer
+from tokenizer import IncrementalText, Tokenizer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,14 +141,15 @@ class Job:
     tokenizer: Tokenizer
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    ids: list[int] = field(default_factory=list)  # the answer's tokens, without a stop token
     generated: int = 0  # tokens the model gave this request, a stop token included
-    text: str = ""  # the answer's text so far, whole characters
     sent: str = ""  # text handed to the client so far
-    decoded: tuple[int, int] = (0, 0)  # (prefix, read): ids[prefix:read] were decoded last, ids[read:] are new
     finished: bool = False  # the answer is complete, failed, or no longer wanted
     stats: dict = field(default_factory=dict)  # the batch's cache statistics when this answer ended
     stats_source: Callable[[], dict] = dict
+    answer: IncrementalText = field(init=False)  # the answer's tokens (without a stop token) and text
+
+    def __post_init__(self):
+        self.answer = IncrementalText(self.tokenizer)
 
     def _emit(self, *event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -158,33 +159,25 @@ class Job:
         if self.finished:
             return
         self.generated += 1
+        answer = self.answer
         if token in self.tokenizer.stop_ids:
-            self._send(self.text + self._new_text(final=True))  # what waited for a stop string that never came
+            answer.rest()
+            self._send(answer.text)  # what waited for a stop string that never came
             return self.finish("stop")
-        self.ids.append(token)
-        text = self.text = self.text + self._new_text(final=len(self.ids) >= self.max_tokens)
+        answer.add(token)
+        if len(answer.ids) >= self.max_tokens:
+            answer.rest()
+        text = answer.text
         # a stop string starts after what was sent: text that could begin one is held back
         hits = [i for i in (text.find(s, len(self.sent)) for s in self.stops) if i >= 0]
         if hits:
             self._send(text[:min(hits)])
             return self.finish("stop")
-        if len(self.ids) >= self.max_tokens:
+        if len(answer.ids) >= self.max_tokens:
             self._send(text)
             return self.finish("length")
         hold = max((n for s in self.stops for n in range(len(s) - 1, 0, -1) if text.endswith(s[:n])), default=0)
         self._send(text[:len(text) - hold])  # what could begin a stop string waits
-
-    def _new_text(self, final: bool = False) -> str:
-        """The text the newest ids add, decoding only them and the few before (as HF's streamers do:
-        a token's text can depend on the one before it); '' while a character is split between
-        tokens, unless `final`."""
-        prefix, read = self.decoded
-        before = self.tokenizer.decode(self.ids[prefix:read])
-        after = self.tokenizer.decode(self.ids[prefix:])
-        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
-            return ""
-        self.decoded = (read, len(self.ids))
-        return after[len(before):]
 
     def _send(self, text: str) -> None:
         if text.startswith(self.sent) and len(text) > len(self.sent):

@@ -140,6 +140,35 @@ class Tokenizer(ABC):
         return self.encode(f"[INST] {content.strip()} [/INST]", bos=True)
 
 
+class IncrementalText:
+    """A growing answer's text that decodes only its newest tokens and the few before them (a
+    token's text can depend on the one before, as SentencePiece's leading spaces do; HF's streamers
+    work the same way), so that streaming a long answer costs linear time, not quadratic."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+        self._prefix = self._read = 0  # ids[prefix:read] were decoded last; ids[read:] are new
+
+    def add(self, token: int) -> str:
+        """Append `token`; return the text it completes, also added to `text` ('' while a character
+        is split between tokens)."""
+        self.ids.append(token)
+        return self._take(final=False)
+
+    def rest(self) -> str:
+        """The text of new tokens that `add` held back (a split character, as U+FFFD)."""
+        return self._take(final=True)
+
+    def _take(self, final: bool) -> str:
+        before = self.tokenizer.decode(self.ids[self._prefix: self._read])
+        after = self.tokenizer.decode(self.ids[self._prefix:])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += after[len(before):]
+        return after[len(before):]
+
+
 def _configured_eos_ids(checkpoint_dir: Path) -> set[int]:
     ids: set[int] = set()
     for name in ("generation_config.json", "config.json"):

@@ -6,7 +6,7 @@ import random
 import jinja2
 import pytest
 
-from tokenizer import HFTokenizer, SentencePieceTokenizer, TiktokenTokenizer, get_tokenizer
+from tokenizer import IncrementalText, HFTokenizer, SentencePieceTokenizer, TiktokenTokenizer, get_tokenizer
 
 PIECES = ["hello", "world", " The", "quick brown fox", "naïve café", "Straße", "日本語のテキスト", "中文", "😀🚀",
           "Ελληνικά", "русский", "\t", "\n", "\n\n", "   ", "  leading", "trailing  ", "def f(x):\n    return x**2",
@@ -168,3 +168,19 @@ def test_sentencepiece_wrapper_matches_sentencepiece(tiny_sentencepiece_file):
         assert tokenizer.encode_chat(" Hi ", system) == [reference.bos_id()] + reference.encode(expected)
         assert_next_turn_continues(tokenizer, messages + [{"role": "assistant", "content": "Hello. "},
                                                           {"role": "user", "content": "Again"}])
+
+
+def assert_streams_whole_text(tokenizer, text):
+    """IncrementalText: token by token, the pieces add up to the whole decode (leading spaces and
+    characters split between byte tokens included), and no decode sees more than a few tokens."""
+    ids, seen = tokenizer.encode(text, bos=False), []
+    counting = type("Counting", (), {"decode": lambda self, some: seen.append(len(some)) or tokenizer.decode(some)})()
+    stream = IncrementalText(counting)
+    pieces = "".join(stream.add(token) for token in ids) + stream.rest()
+    assert pieces == stream.text == tokenizer.decode(ids) and max(seen) <= 8 < len(ids)
+
+
+def test_incremental_text_with_byte_level_and_sentencepiece_tokenizers(smollm2_tokenizer, tiny_sentencepiece_file):
+    text = "naïve café, 日本語のテキスト 😀🚀 and  two  spaces.\n" * 6
+    assert_streams_whole_text(smollm2_tokenizer, text)
+    assert_streams_whole_text(get_tokenizer(tiny_sentencepiece_file.parent), text)
