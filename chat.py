@@ -19,9 +19,10 @@ import torch
 
 from checkpoint import UserError, load_model, load_tokenizer, resolve_checkpoint
 from disk_tier import SlowTierError
-from generate import GenerationResult, TextStream, compile_decode, generate, log, peak_memory_bytes, run_command
-from options import (add_cache_arguments, add_model_arguments, cache_from_args, cache_summary, model_dtype, pick_device,
-                     validate_cache_args)
+from generate import (GenerationResult, TextStream, compile_decode, generate, log, peak_memory_bytes, run_command,
+                      validate_generation_args)
+from options import (EVICTION_CACHES, add_cache_arguments, add_model_arguments, cache_from_args, cache_summary,
+                     context_length, model_dtype, pick_device, validate_cache_args)
 
 COMMANDS = "/reset starts over, /stats shows the cache, /exit leaves; Ctrl-C stops an answer"
 
@@ -96,12 +97,9 @@ def show_stats(cache, conversation: Conversation, capacity: int) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    if args.max_new_tokens <= 0:
-        raise UserError(f"--max_new_tokens must be at least 1 (got {args.max_new_tokens})")
-    if args.temperature < 0:
-        raise UserError(f"--temperature must be >= 0 (got {args.temperature}); 0 means greedy")
+    validate_generation_args(args)
     validate_cache_args(args)
-    if args.cache in ("streaming", "h2o"):
+    if args.cache in EVICTION_CACHES:
         raise UserError(f"--cache {args.cache} cannot hold a conversation: a new turn would have to attend to the "
                         "tokens it evicted; use full, specache, specache-nospec or kivi")
     device = pick_device(args.device)
@@ -110,7 +108,7 @@ def run(args: argparse.Namespace) -> None:
     checkpoint = resolve_checkpoint(args.checkpoint)
     model = load_model(checkpoint, device, dtype)
     tokenizer = load_tokenizer(checkpoint, model)
-    capacity = args.max_seq_length or min(model.config.block_size, 4096)
+    capacity = context_length(args.max_seq_length, model)
     cache = cache_from_args(args, model, 1, capacity, log=log)
     if args.compile:
         compile_decode(model, fullgraph=not cache.graph_breaks, whole_step=cache.whole_step)

@@ -313,19 +313,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def validate_args(args: argparse.Namespace) -> None:
+def validate_generation_args(args: argparse.Namespace) -> None:
+    """The options generate.py and chat.py share: the answer's length, sampling, the context."""
     if args.max_new_tokens <= 0:
         raise UserError(f"--max_new_tokens must be at least 1 (got {args.max_new_tokens})")
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0 (got {args.temperature}); 0 means greedy")
     if args.top_k is not None and args.top_k <= 0:
         raise UserError(f"--top_k must be at least 1 (got {args.top_k})")
+    if args.max_seq_length is not None and args.max_seq_length <= 0:
+        raise UserError(f"--max_seq_length must be positive (got {args.max_seq_length})")
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    validate_generation_args(args)
     if args.batch_size is not None and args.batch_size <= 0:
         raise UserError(f"--batch_size must be at least 1 (got {args.batch_size})")
     if args.num_samples <= 0:
         raise UserError(f"--num_samples must be at least 1 (got {args.num_samples})")
-    if args.max_seq_length is not None and args.max_seq_length <= 0:
-        raise UserError(f"--max_seq_length must be positive (got {args.max_seq_length})")
     if args.compile_per_block and not args.compile:
         raise UserError("--compile_per_block goes with --compile")
     validate_cache_args(args)

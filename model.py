@@ -298,10 +298,13 @@ class RingKVCache(nn.Module):
         `window` rows only the newest `window` can ever be seen again."""
         k, v, input_pos = k[:, :, -self.window:], v[:, :, -self.window:], input_pos[:, -self.window:]
         batch = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
-        slots = input_pos % self.window
-        self.k_cache[batch, :, slots] = k.transpose(1, 2).to(self.k_cache.dtype)
-        self.v_cache[batch, :, slots] = v.transpose(1, 2).to(self.v_cache.dtype)
-        self.slot_pos[batch, slots] = input_pos
+        self._store(batch, input_pos % self.window, k.transpose(1, 2), v.transpose(1, 2), input_pos)
+
+    def _store(self, batch: Tensor, slots: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> None:
+        """Rows k, v (B, N, Hkv, D) into `slots` (B, N) of sequences `batch` (B, 1), holding `positions`."""
+        self.k_cache[batch, :, slots] = k.to(self.k_cache.dtype)
+        self.v_cache[batch, :, slots] = v.to(self.v_cache.dtype)
+        self.slot_pos[batch, slots] = positions
 
     def ingest_prompt(self, k: Tensor, v: Tensor, lengths: Optional[Tensor] = None, start: int = 0) -> None:
         """Keep, of prompt rows k, v (B, Hkv, S, D) at positions [start, start + S), those among each
@@ -313,20 +316,17 @@ class RingKVCache(nn.Module):
             ends = torch.minimum(ends, lengths.to(k.device))
         positions = ends[:, None] - self.window + torch.arange(self.window, device=k.device)  # (B, window)
         index = (positions - start).clamp(0, seqlen - 1)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        new_k, new_v = k.gather(2, index).to(self.k_cache.dtype), v.gather(2, index).to(self.v_cache.dtype)
+        new_k, new_v = k.gather(2, index).transpose(1, 2), v.gather(2, index).transpose(1, 2)  # (B, window, Hkv, D)
         # From position 0 every slot is written: the window positions before a short prompt's start
         # are negative, and the mask never shows them. Past it, positions before `start` keep what
         # the ring holds (the earlier chunks').
         batch_index, slots = torch.arange(batch, device=k.device)[:, None], positions % self.window
-        new_k, new_v = new_k.transpose(1, 2), new_v.transpose(1, 2)  # (B, window, Hkv, D), as the slots index
         if start > 0:
             from_rows = positions >= start
             new_k = torch.where(from_rows[..., None, None], new_k, self.k_cache[batch_index, :, slots])
             new_v = torch.where(from_rows[..., None, None], new_v, self.v_cache[batch_index, :, slots])
             positions = torch.where(from_rows, positions, self.slot_pos[batch_index, slots])
-        self.k_cache[batch_index, :, slots] = new_k
-        self.v_cache[batch_index, :, slots] = new_v
-        self.slot_pos[batch_index, slots] = positions
+        self._store(batch_index, slots, new_k, new_v, positions)
 
     def fast_tier_bytes(self) -> int:
         """The ring's K, V and slot positions, all sequences."""

@@ -4,7 +4,7 @@ they make, and the one-line summary of its statistics."""
 import argparse
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -30,6 +30,12 @@ def model_dtype(name: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         return getattr(torch, name)
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def context_length(max_seq_length: Optional[int], model: Transformer) -> int:
+    """The positions a server's or a chat's cache holds per sequence: --max_seq_length, else the
+    model's context, at most 4096 (the cache is allocated for all of it at once)."""
+    return max_seq_length or min(model.config.block_size, 4096)
 
 
 def pick_device(name: str) -> torch.device:

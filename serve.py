@@ -48,8 +48,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from checkpoint import UserError, load_model, load_tokenizer, resolve_checkpoint
 from generate import generate
 from model import Transformer
-from options import (add_cache_arguments, add_model_arguments, cache_from_args, model_dtype, pick_device,
-                     validate_cache_args)
+from options import (add_cache_arguments, add_model_arguments, cache_from_args, context_length, model_dtype,
+                     pick_device, validate_cache_args)
 from tokenizer import IncrementalText, Tokenizer
 
 
@@ -471,7 +471,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         checkpoint = resolve_checkpoint(args.checkpoint)
         model = load_model(checkpoint, device, dtype)
         tokenizer = load_tokenizer(checkpoint, model)
-        capacity = args.max_seq_length or min(model.config.block_size, 4096)
+        capacity = context_length(args.max_seq_length, model)
         engine = Engine(model, tokenizer, args, capacity)
         engine.cache_for(1)  # a bad cache setting fails here, before the server listens
     except UserError as e:

@@ -454,6 +454,8 @@ class SpeCache:
     by generate.generate (see caches.py for the protocol): `begin`, `bootstrap`, then per token
     `step` and `sampled`, then `finish`."""
 
+    chunks = True  # a prompt's chunk reads its history from the slow tier (KIVI: the low-bit copy)
+
     def __init__(self, model: Transformer, batch_size: int, max_seq_length: int, config: SpeCacheConfig):
         c = model.config
         config.validate(c.head_dim)
@@ -486,7 +488,6 @@ class SpeCache:
         # Beside a GPU and from the disk, fetches are handed to the background between layers; in a
         # CPU's RAM the tiers move nothing outside the layers, and a step is one pass of the model.
         self.whole_step = device.type == "cpu" and config.slow_tier == "ram"
-        self.chunks = True  # a prompt's chunk reads its history from the slow tier (KIVI: the low-bit copy)
 
     def begin(self, tokens: Tensor, lengths: Tensor, held: int = 0) -> None:
         """A generation of the prompts `tokens` (B, S, right-padded to `lengths`) starts: every per-generation
@@ -503,8 +504,7 @@ class SpeCache:
         for layer in self.layers:
             layer.reset()
         if not held:
-            self.history = torch.zeros(lengths.shape[0], self.state.capacity + 1, dtype=torch.long,
-                                       device=self.device)  # the real tokens, for the lookup guess
+            self.history = lengths.new_zeros(lengths.shape[0], self.state.capacity + 1)  # real tokens, for lookup
         self.history[:, held: held + tokens.shape[1]] = tokens
         self.history_len = held + lengths
         self.guess = self.guessed_from = None
