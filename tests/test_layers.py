@@ -10,7 +10,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # lowest first; scripts/ sit above everything and are never imported by the core
 LAYERS = [
     ["kernels.quant", "kernels.cpu_build", "kernels.cpu_ops"],
-    ["kernels.lowbit_cpu", "kernels.lowbit_triton", "kernels.linear_cpu", "kernels.dense_cpu"],
+    ["kernels.lowbit_cpu", "kernels.lowbit_triton", "kernels.linear_cpu", "kernels.dense_cpu", "kernels.rank_cpu"],
     ["kernels.attention"],
     ["config", "tokenizer"],
     ["model"],
@@ -19,7 +19,7 @@ LAYERS = [
     ["specache", "eviction"],
     ["caches"],
     ["checkpoint"],
-    ["options"],
+    ["options", "tp"],
     ["generate"],
     ["serve", "chat"],
 ]
