@@ -46,8 +46,8 @@ from torch import Tensor
 
 from disk_tier import DiskFolder, DiskTier
 from kernels import lowbit_cpu
-from kernels.attention import (Segments, drop_from_lowbit, lowbit_part, merge_softmax, merged_output,
-                               over_query_heads, positions_mask, query_rows, row_position_weights, select_top_k)
+from kernels.attention import (Segments, drop_from_lowbit, lowbit_part, merge_softmax, merged_output, positions_mask,
+                               query_rows, row_position_weights, select_top_k, top_positions)
 from kernels.quant import LEVELS, LowBitKV, quantize_keys, quantize_values, sixteen_bit_dtype, value_group
 from model import CausalPrompt, Pass, RingKVCache, Transformer, attention, attention_after_history, history_block
 from offload import PinnedTier, RamTier, held_match
@@ -352,7 +352,8 @@ class SpeCacheLayer(nn.Module):
         if c.stats and keep:  # before the prefetch rewrites the slots that seg reads
             self.diagnostics += diagnose(self, rows, seg, s)
         if self.k_spec:  # the last row (the speculative one, or T1 in the bootstrap) chooses kappa_{t+1}
-            self.choose_prefetch(over_query_heads(row_position_weights(part, merged, seg, s, s - 1), c.gqa))
+            self.choose_prefetch(*top_positions(part, merged, seg, s, s - 1, c.gqa, self.n_sinks, state.selectable_len,
+                                                seg.fetched_pos[..., :0], seg.fetched_valid[..., :0], self.k_spec))
         if self.correcting:
             self.last_query.copy_(q[:, :, -1])
         if keep:
@@ -380,16 +381,18 @@ class SpeCacheLayer(nn.Module):
         """The real row (row 0) picks positions of the low-bit pass by its own weights (or, as the
         oracle, with its exact scores); their 16-bit pairs are read now, fill the real row's slots
         (all k slots of a KV head in `discard`), and their low-bit share leaves `part`."""
-        c, t = self.config, part.weights.shape[-1]
-        weights = row_position_weights(part, merge_softmax(rows, part, seg, s), seg, s, 0)  # (B, Hkv, G, T)
+        c, t, lq = self.config, part.weights.shape[-1], self.state.quantized_len
+        merged = merge_softmax(rows, part, seg, s)
         if c.oracle:
+            weights = row_position_weights(part, merged, seg, s, 0)  # (B, Hkv, G, T)
             exact, _ = exact_real_row_probs(self, rows, seg, s)
             scores = (exact if c.oracle == "mass" else (exact - weights).abs()).mean(2)
-        else:
-            scores = over_query_heads(weights, c.gqa)
-        lq = self.state.quantized_len[:, None, None]
-        candidates = (torch.arange(t, device=rows.device) < lq) & ~positions_mask(seg.fetched_pos, seg.fetched_valid, t)
-        picks, valid = select_top_k(scores, candidates, self.picks)
+            candidates = (torch.arange(t, device=rows.device) < lq[:, None, None]) & ~positions_mask(
+                seg.fetched_pos, seg.fetched_valid, t)
+            picks, valid = select_top_k(scores, candidates, self.picks)
+        else:  # candidates: quantized, not fetched
+            picks, valid = top_positions(part, merged, seg, s, 0, c.gqa, 0, lq, seg.fetched_pos, seg.fetched_valid,
+                                         self.picks)
         slot = torch.arange(self.fetched_pos.shape[-1], device=rows.device)
         first = torch.full(picks.shape[:2] + (1,), self.real_slots.start, device=rows.device)  # a head's first picked slot
         if discard is not None:
@@ -412,14 +415,10 @@ class SpeCacheLayer(nn.Module):
         exact = place(valid, seg.fetched_valid)
         return drop_from_lowbit(part, self.lowbit(), picks, valid), seg._replace(fetched_valid=exact)
 
-    def choose_prefetch(self, weights: Tensor) -> None:
-        """kappa_{t+1}: the top-k_spec positions of the last row's weights (B, Hkv, T), among those
-        quantized by the next step and not sinks; the tier moves their pairs into the prefetch slots
-        (RAM within this step; a GPU or the disk in the background after the layer)."""
-        t = weights.shape[-1]
-        position = torch.arange(t, device=weights.device)
-        candidates = (position < self.state.selectable_len[:, None, None]) & (position >= self.n_sinks)
-        kappa_pos, kappa_valid = select_top_k(weights, candidates, self.k_spec)
+    def choose_prefetch(self, kappa_pos: Tensor, kappa_valid: Tensor) -> None:
+        """kappa_{t+1}: the last row's top-k_spec positions (B, Hkv, k_spec), among those quantized by the
+        next step and not sinks; the tier moves their pairs into the prefetch slots (RAM within this
+        step; a GPU or the disk in the background after the layer)."""
         new = kappa_valid  # the pairs to read: with reuse, those the previous prefetch did not hold
         if self.config.reuse:
             new = new & ~held_match(kappa_pos, self.kappa_pos, self.kappa_valid).any(-1)

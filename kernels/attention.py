@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from kernels import lowbit_cpu, lowbit_triton
+from kernels import lowbit_cpu, lowbit_triton, rank_cpu
 from kernels.quant import LowBitKV, dequantize_keys, dequantize_values, unpack_bits
 
 
@@ -244,6 +244,16 @@ def select_top_k(scores: Tensor, candidates: Tensor, k: int) -> tuple[Tensor, Te
     non-negative), best first, and which of them are real (a short sequence has fewer than k)."""
     top = scores.masked_fill(~candidates, -1.0).topk(k, dim=-1)
     return top.indices, top.values >= 0
+
+
+def top_positions(part: LowBitPart, merged: Merged, seg: Segments, s: int, row: int, how: str, lower: int,
+                  upper: Tensor, excluded_pos: Tensor, excluded_valid: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """select_top_k(over_query_heads(row_position_weights(part, merged, seg, s, row), how), candidates, k)
+    in one op, the candidates being lower <= t < upper[b] less the valid excluded positions (B, Hkv, E):
+    kernels/rank_cpu.py's C kernel on a CPU, its plain-PyTorch reference elsewhere."""
+    return rank_cpu.top_positions(part.weights, merged.lowbit_scale, merged.p_fetched, seg.fetched_pos, merged.p_window,
+                                  seg.quantized_len, s, row, how == "max", lower, upper, excluded_pos, excluded_valid,
+                                  k)
 
 
 def mixed_attention(q: Tensor, kv: LowBitKV, seg: Segments) -> tuple[Tensor, Tensor]:

@@ -1,6 +1,7 @@
 // The CPU ops that a decode step calls most, dispatched in C++: specache::quantized_linear (about 150
-// calls a step on SmolLM2) and specache::dense_decode_attention (one per layer). Their Python
-// implementations (kernels/linear_cpu.py, kernels/dense_cpu.py: `_op`) check the inputs, fill a ctypes
+// calls a step on SmolLM2), specache::dense_decode_attention (one per layer) and specache::top_positions
+// (SpeCache: two per layer). Their Python implementations (kernels/linear_cpu.py, kernels/dense_cpu.py,
+// kernels/rank_cpu.py: `_op`) check the inputs, fill a ctypes
 // struct and call the C kernel, about 12 us a call; this does the same in about 2.
 //
 // kernels/cpu_ops.py builds it at first use against the running torch's headers. Each kernel's module
@@ -19,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -38,10 +40,20 @@ struct DenseProblem {  // kernels/dense_cpu.c
   int32_t dtype, threads;
 };
 
+struct RankProblem {  // kernels/rank_cpu.c
+  const void *weights, *scale, *p_fetched, *fetched_pos, *p_window, *window_start, *upper, *excluded_pos,
+      *excluded_valid;
+  void *indices, *valid;
+  int64_t batch, heads, m, t, n_fetched, n_window, n_excluded, k, lower;
+  int32_t s, row, max_over_heads, threads;
+};
+
 using LinearKernel = int (*)(const LinearProblem *);
 using DenseKernel = int (*)(const DenseProblem *);
+using RankKernel = int (*)(const RankProblem *);
 LinearKernel linear_kernel = nullptr;
 DenseKernel dense_kernel = nullptr;
+RankKernel rank_kernel = nullptr;
 
 at::Tensor quantized_linear(const at::Tensor &x_in, const at::Tensor &codes_in, const at::Tensor &scales_in,
                             const std::optional<at::Tensor> &zeros_in, int64_t group) {
@@ -98,6 +110,50 @@ at::Tensor dense_decode_attention(const at::Tensor &q_in, const at::Tensor &k_in
   return out;
 }
 
+// The checks guard the kernel's reads and writes; kernels/rank_cpu.py's _check states the whole contract.
+std::tuple<at::Tensor, at::Tensor> top_positions(const at::Tensor &weights_in, const at::Tensor &scale_in,
+                                                 const at::Tensor &p_fetched_in, const at::Tensor &fetched_pos_in,
+                                                 const at::Tensor &p_window_in, const at::Tensor &window_start_in,
+                                                 int64_t s, int64_t row, bool gqa_max, int64_t lower,
+                                                 const at::Tensor &upper_in, const at::Tensor &excluded_pos_in,
+                                                 const at::Tensor &excluded_valid_in, int64_t k) {
+  TORCH_CHECK(rank_kernel, "top_positions: the C kernel was not handed over");
+  TORCH_CHECK_VALUE(weights_in.dim() == 4 && weights_in.scalar_type() == at::kFloat,
+                    "top_positions: weights must be (B, Hkv, M, T) float32");
+  const int64_t b = weights_in.size(0), h = weights_in.size(1), m = weights_in.size(2), t = weights_in.size(3);
+  TORCH_CHECK_VALUE(s >= 1 && m % s == 0 && row >= 0 && row < s && k >= 0, "top_positions: need M a multiple of S, 0 <= row < S, k >= 0");
+  TORCH_CHECK_VALUE(scale_in.numel() == b * h * m && scale_in.dim() >= 3 && scale_in.size(0) == b && scale_in.size(1) == h &&
+                        scale_in.size(2) == m && scale_in.scalar_type() == at::kFloat,
+                    "top_positions: scale must be (B, Hkv, M) float32");
+  for (const at::Tensor *x : {&p_fetched_in, &p_window_in})
+    TORCH_CHECK_VALUE(x->dim() == 4 && x->size(0) == b && x->size(1) == h && x->size(2) == m && x->scalar_type() == at::kFloat,
+                      "top_positions: p_fetched and p_window must be (B, Hkv, M, N) float32");
+  TORCH_CHECK_VALUE(fetched_pos_in.dim() == 3 && fetched_pos_in.size(0) == b && fetched_pos_in.size(1) == h &&
+                        fetched_pos_in.size(2) == p_fetched_in.size(3) && fetched_pos_in.scalar_type() == at::kLong,
+                    "top_positions: fetched_pos must be (B, Hkv, K) int64");
+  for (const at::Tensor *x : {&window_start_in, &upper_in})
+    TORCH_CHECK_VALUE(x->dim() == 1 && x->size(0) == b && x->scalar_type() == at::kLong,
+                      "top_positions: window_start and upper must be (B,) int64");
+  TORCH_CHECK_VALUE(excluded_pos_in.dim() == 3 && excluded_pos_in.size(0) == b && excluded_pos_in.size(1) == h &&
+                        excluded_pos_in.scalar_type() == at::kLong && excluded_valid_in.sizes() == excluded_pos_in.sizes() &&
+                        excluded_valid_in.scalar_type() == at::kBool,
+                    "top_positions: excluded_pos must be (B, Hkv, E) int64 and excluded_valid bool of its shape");
+  const at::Tensor weights = weights_in.contiguous(), scale = scale_in.contiguous(), p_fetched = p_fetched_in.contiguous(),
+                   fetched_pos = fetched_pos_in.contiguous(), p_window = p_window_in.contiguous(),
+                   window_start = window_start_in.contiguous(), upper = upper_in.contiguous(),
+                   excluded_pos = excluded_pos_in.contiguous(), excluded_valid = excluded_valid_in.contiguous();
+  at::Tensor indices = at::empty({b, h, k}, fetched_pos.options());
+  at::Tensor valid = at::empty({b, h, k}, excluded_valid.options());
+  const RankProblem problem{weights.data_ptr(), scale.data_ptr(), p_fetched.data_ptr(), fetched_pos.data_ptr(),
+                            p_window.data_ptr(), window_start.data_ptr(), upper.data_ptr(), excluded_pos.data_ptr(),
+                            excluded_valid.data_ptr(), indices.data_ptr(), valid.data_ptr(), b, h, m, t,
+                            p_fetched.size(3), p_window.size(3), excluded_pos.size(2), k, lower,
+                            static_cast<int32_t>(s), static_cast<int32_t>(row), gqa_max ? 1 : 0,
+                            static_cast<int32_t>(at::get_num_threads())};
+  TORCH_CHECK(rank_kernel(&problem) == 0, "rank_cpu.c rejected a problem that passed the checks");
+  return {indices, valid};
+}
+
 std::vector<std::unique_ptr<torch::Library>> &registrations() {
   static std::vector<std::unique_ptr<torch::Library>> libraries;
   return libraries;
@@ -106,19 +162,27 @@ std::vector<std::unique_ptr<torch::Library>> &registrations() {
 // The op `name`'s C kernel is at `address`: keep it and register the C++ implementation for CPU tensors.
 void set_cpu_kernel(const std::string &name, int64_t address) {
   TORCH_CHECK(address != 0, "set_cpu_kernel: a null address");
-  const bool first = name == "quantized_linear" ? linear_kernel == nullptr : dense_kernel == nullptr;
-  if (name == "quantized_linear")
+  bool first;
+  if (name == "quantized_linear") {
+    first = linear_kernel == nullptr;
     linear_kernel = reinterpret_cast<LinearKernel>(address);
-  else if (name == "dense_decode_attention")
+  } else if (name == "dense_decode_attention") {
+    first = dense_kernel == nullptr;
     dense_kernel = reinterpret_cast<DenseKernel>(address);
-  else
+  } else if (name == "top_positions") {
+    first = rank_kernel == nullptr;
+    rank_kernel = reinterpret_cast<RankKernel>(address);
+  } else {
     TORCH_CHECK(false, "set_cpu_kernel: no C++ implementation of ", name);
+  }
   if (!first) return;  // registered already; the new address serves
   auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "specache", c10::DispatchKey::CPU, __FILE__, __LINE__);
   if (name == "quantized_linear")
     library->impl("quantized_linear", &quantized_linear);
-  else
+  else if (name == "dense_decode_attention")
     library->impl("dense_decode_attention", &dense_decode_attention);
+  else
+    library->impl("top_positions", &top_positions);
   registrations().push_back(std::move(library));
 }
 

@@ -48,7 +48,7 @@ def _loaded() -> bool:
 
 
 def hand_over(op: str, function: ctypes._CFuncPtr) -> bool:
-    """Register the C++ implementation of `op` (quantized_linear or dense_decode_attention) around the
+    """Register the C++ implementation of `op` (quantized_linear, dense_decode_attention or top_positions) around the
     C kernel `function`; False where it cannot be built (the Python implementation serves)."""
     if not _loaded():
         return False

@@ -186,9 +186,9 @@ def test_window_flushes_leave_every_position_in_exactly_one_place():
 
 @pytest.mark.parametrize("how", ["mean", "max"])
 def test_gqa_top_k_ranks_by_the_groups_query_heads(how):
-    """select_top_k on mixed_attention's weights == a per-KV-head reference: softmax per query
-    head over the dequantized copy, the window and the new rows, then the mean (the paper) or the
-    max (gqa-max) over the group."""
+    """select_top_k on mixed_attention's weights, and the fused top_positions, == a per-KV-head
+    reference: softmax per query head over the dequantized copy, the window and the new rows, then
+    the mean (the paper) or the max (gqa-max) over the group."""
     torch.manual_seed(0)
     b, n_kv, group_size, t, d, k = 2, 3, 3, 128, 64, 10
     keys, values = torch.randn(b, n_kv, t, d) * torch.linspace(0.2, 3, d), torch.randn(b, n_kv, t, d)
@@ -203,11 +203,16 @@ def test_gqa_top_k_ranks_by_the_groups_query_heads(how):
     rows = kernels.attention.query_rows(q, n_kv)
     part = kernels.attention.lowbit_part(rows, kv, segments)
     merged = kernels.attention.merge_softmax(rows, part, segments, 2)
-    weights = specache.over_query_heads(kernels.attention.row_position_weights(part, merged, segments, 2, 1), how)
+    weights = kernels.attention.over_query_heads(kernels.attention.row_position_weights(part, merged, segments, 2, 1),
+                                                 how)
     quantized = torch.arange(t) < segments.quantized_len[:, None, None]
     positions, valid = select_top_k(weights, quantized, k)
     if how == "mean":  # the mean is what mixed_attention returns
         torch.testing.assert_close(weights, mixed_attention(q, kv, segments)[1])
+    nothing = segments.fetched_pos[..., :0]  # what SpeCache's layer calls: the C kernel on a CPU
+    fused, fused_valid = kernels.attention.top_positions(part, merged, segments, 2, 1, how, 0, segments.quantized_len,
+                                                         nothing, nothing.bool(), k)
+    assert torch.equal(fused, positions) and torch.equal(fused_valid, valid)
     dequantized = dequantize_keys(kv.k_packed, kv.k_scale, kv.k_zero, 1, 32)
     for bi in range(b):
         lq, wl = int(segments.quantized_len[bi]), int(segments.window_len[bi])

@@ -1,0 +1,159 @@
+"""kernels/rank_cpu: SpeCache's choice of positions in one C op, against its plain-PyTorch reference
+(the native build and a plain x86-64 one), through the C++ dispatch and under torch.compile.
+
+The rankings here are random floats, so no two candidates tie and both must choose the same
+positions in the same order. tests/test_specache.py checks the op against a per-KV-head softmax
+over the dequantized copy (an independent reference), and the whole selection through SpeCache's
+layer against the reference decoder.
+"""
+import platform
+import shutil
+
+import pytest
+import torch
+
+from kernels import rank_cpu
+from kernels.rank_cpu import top_positions_reference
+
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc: only the reference exists")
+
+
+@pytest.fixture(scope="module")
+def native():
+    lib = rank_cpu._library()
+    assert lib is not None, "gcc is here but the kernel did not build"
+    return lib
+
+
+@pytest.fixture(scope="module")
+def portable():
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("-march=x86-64 needs an x86 machine")
+    return rank_cpu.load(rank_cpu.build(("-O3", "-march=x86-64", "-fopenmp", "-shared", "-fPIC")))
+
+
+def problem(b=2, h=3, g=3, s=2, t=300, n_fetched=9, n_window=16, n_excluded=12, seed=0):
+    """Random inputs in the layout SpeCache's layer passes: fetched slots that repeat positions and
+    fall outside [0, T), a window that runs past the copy, exclusions with invalid repeats."""
+    torch.manual_seed(seed)
+    m = g * s
+    fetched_pos = torch.randint(-2, t + 3, (b, h, n_fetched))
+    if n_fetched > 1:
+        fetched_pos[..., 1] = fetched_pos[..., 0]  # two slots, one position: their weights add
+    excluded_pos = torch.randint(-2, t + 3, (b, h, n_excluded))
+    excluded_valid = torch.rand(b, h, n_excluded) < 0.6
+    if n_excluded > 1:  # an invalid repeat of a valid slot
+        excluded_pos[..., 1], excluded_valid[..., 1] = excluded_pos[..., 0], False
+    return dict(weights=torch.rand(b, h, m, t), scale=torch.rand(b, h, m, 1), p_fetched=torch.rand(b, h, m, n_fetched),
+                fetched_pos=fetched_pos, p_window=torch.rand(b, h, m, n_window),
+                window_start=torch.randint(max(t - n_window - 4, 0), t + 1, (b,)), excluded_pos=excluded_pos,
+                excluded_valid=excluded_valid)
+
+
+def both(lib, inputs, **options):
+    args = dict(inputs, s=options.get("s", 2), row=options.get("row", 0), gqa_max=options.get("gqa_max", True),
+                lower=options.get("lower", 0), upper=options["upper"], k=options.get("k", 16))
+    names = ("weights", "scale", "p_fetched", "fetched_pos", "p_window", "window_start", "s", "row", "gqa_max", "lower",
+             "upper", "excluded_pos", "excluded_valid", "k")
+    ordered = [args[name] for name in names]
+    return rank_cpu.run_kernel(lib, *ordered), top_positions_reference(*ordered)
+
+
+def assert_same_choice(kernel, reference):
+    (indices, valid), (ref_indices, ref_valid) = kernel, reference
+    assert torch.equal(valid, ref_valid)
+    assert torch.equal(torch.where(valid, indices, -1), torch.where(ref_valid, ref_indices, -1))
+    assert ((indices >= 0) & (indices < 10**6)).all()  # invalid entries still point somewhere harmless
+
+
+@pytest.mark.parametrize("row", [0, 1])
+@pytest.mark.parametrize("gqa_max", [True, False])
+@pytest.mark.parametrize("lower", [0, 4])
+def test_kernel_matches_reference(native, row, gqa_max, lower):
+    inputs = problem()
+    upper = torch.tensor([250, 300])
+    assert_same_choice(*both(native, inputs, row=row, gqa_max=gqa_max, lower=lower, upper=upper))
+
+
+@pytest.mark.parametrize("shape", [dict(b=1, h=1, g=1, s=1, t=70), dict(b=3, h=2, g=4, s=2, t=1000),
+                                   dict(b=1, h=3, g=3, s=2, t=20000, n_fetched=68, n_window=128, n_excluded=68)])
+def test_plain_build_and_other_shapes_match_reference(native, portable, shape):
+    inputs = problem(**shape)
+    b, t, s = shape["b"], shape["t"], shape["s"]
+    upper = torch.randint(t // 2, t + 5, (b,))
+    for lib in (native, portable):
+        assert_same_choice(*both(lib, inputs, s=s, row=s - 1, upper=upper, k=32))
+
+
+def test_fewer_candidates_than_k_are_marked_invalid(native):
+    inputs = problem(t=64)
+    inputs["excluded_valid"][:] = False
+    upper = torch.tensor([10, 3])  # sequence 1: positions 1, 2 only (lower 1)
+    (indices, valid), reference = both(native, inputs, lower=1, upper=upper, k=12)
+    assert valid.sum(-1).tolist() == [[9] * 3, [2] * 3]
+    assert_same_choice((indices, valid), reference)
+    none, _ = both(native, inputs, lower=5, upper=torch.tensor([5, 0]), k=4)  # an empty range
+    assert not none[1].any()
+
+
+def test_ties_go_to_the_earlier_position(native):
+    inputs = problem(b=1, h=1, t=100, n_fetched=0, n_window=0, n_excluded=0)
+    inputs["weights"][:] = 0.5
+    (indices, valid), _ = both(native, inputs, lower=7, upper=torch.tensor([100]), k=5)
+    assert indices.tolist() == [[[7, 8, 9, 10, 11]]] and valid.all()
+
+
+def test_k_zero_and_an_empty_history(native):
+    inputs = problem(b=1, t=50)
+    (indices, valid), _ = both(native, inputs, upper=torch.tensor([50]), k=0)
+    assert indices.shape == (1, 3, 0)
+    empty = problem(b=1, t=0, n_window=0, n_fetched=0, n_excluded=0)
+    (indices, valid), _ = both(native, empty, upper=torch.tensor([0]), k=0)
+    assert indices.shape == (1, 3, 0)
+
+
+def test_does_not_depend_on_threads(native):
+    inputs = problem(b=2, h=3, g=3, t=40000, n_fetched=68, n_window=128)
+    upper = torch.tensor([39000, 40000])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = both(native, inputs, upper=upper, k=64)
+        torch.set_num_threads(2)
+        two, reference = both(native, inputs, upper=upper, k=64)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    assert_same_choice(two, reference)
+
+
+def test_cpp_dispatch_and_compile_run_the_kernel(native):
+    """The public function (C++ dispatch where it builds), a fullgraph compile of it, and the ctypes
+    call give the same choice."""
+    inputs = problem(t=500)
+    upper = torch.tensor([480, 500])
+    args = (inputs["weights"], inputs["scale"], inputs["p_fetched"], inputs["fetched_pos"], inputs["p_window"],
+            inputs["window_start"], 2, 1, True, 4, upper, inputs["excluded_pos"], inputs["excluded_valid"], 20)
+    direct = rank_cpu.run_kernel(native, *args)
+    public = rank_cpu.top_positions(*args)
+    compiled = torch.compile(rank_cpu.top_positions, fullgraph=True, backend="aot_eager")(*args)
+    for other in (public, compiled):
+        assert torch.equal(direct[0], other[0]) and torch.equal(direct[1], other[1])
+
+
+@pytest.mark.parametrize("corrupt", ["weights dtype", "scale shape", "fetched_pos shape", "upper dtype", "row"])
+def test_bad_inputs_raise_value_error(native, corrupt):
+    inputs = problem(t=40)
+    upper, row = torch.tensor([40, 40]), 0
+    if corrupt == "weights dtype":
+        inputs["weights"] = inputs["weights"].double()
+    elif corrupt == "scale shape":
+        inputs["scale"] = inputs["scale"][:, :, :3]
+    elif corrupt == "fetched_pos shape":
+        inputs["fetched_pos"] = inputs["fetched_pos"][..., :2]
+    elif corrupt == "upper dtype":
+        upper = upper.int()
+    else:
+        row = 2
+    with pytest.raises(ValueError, match="top_positions"):
+        both(native, inputs, upper=upper, row=row)
