@@ -166,8 +166,11 @@ def check_state_dict(model: Transformer, state_dict: dict, path: Path) -> None:
                         "(config.json or the preset chosen by the directory name) does not match the weights")
 
 
-def load_model(checkpoint_path: Path, device: torch.device, dtype: torch.dtype) -> Transformer:
-    """The model of a checkpoint: model.pth, or quantize.py's model_int8.pth / model_int4.g<N>.pth."""
+def load_model(checkpoint_path: Path, device: torch.device, dtype: torch.dtype,
+               shard: Optional[Callable[[Transformer], None]] = None) -> Transformer:
+    """The model of a checkpoint: model.pth, or quantize.py's model_int8.pth / model_int4.g<N>.pth.
+    `shard` (tp.py) cuts it in place on the host, before it moves to its device and int4 is packed;
+    its ValueError becomes a UserError."""
     try:
         config = ModelArgs.for_checkpoint(checkpoint_path)
     except (ValueError, KeyError, json.JSONDecodeError) as e:
@@ -185,6 +188,11 @@ def load_model(checkpoint_path: Path, device: torch.device, dtype: torch.dtype) 
     model.load_state_dict(state_dict, assign=True)
     if config.tie_embeddings and not quantized:  # a quantized head is its own copy (quantize.py)
         model.output.weight = model.tok_embeddings.weight
+    if shard is not None:
+        try:
+            shard(model)
+        except ValueError as e:
+            raise UserError(f"{checkpoint_path}: {e}") from e
     model = model.to(device=device, dtype=dtype).eval()
     pack_int4(model)
     return model

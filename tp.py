@@ -31,7 +31,6 @@ it instead of hanging them (gloo notices a dead peer at once: its connection clo
 (loading, sharding, the cache) ends in `agree`: every rank learns whether any failed, and all stop
 with the same error.
 """
-import json
 import os
 from dataclasses import replace
 from datetime import timedelta
@@ -44,11 +43,10 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch import Tensor
 
-from checkpoint import UserError, check_state_dict, load_state_dict
-from config import ModelArgs
+from checkpoint import UserError, load_model
 from disk_tier import SlowTierError
 from model import Linear, Transformer
-from quantize import Int4Linear, pack_int4, parse_quantized_name, replace_linears
+from quantize import Int4Linear
 
 T = TypeVar("T")
 _set_up = False  # whether `agree` has passed: errors after it are each rank's own
@@ -209,31 +207,9 @@ def all_reduce_partial_sums(model: Transformer) -> None:
 
 def load_model_shard(checkpoint_path: Path, device: torch.device, dtype: torch.dtype) -> Transformer:
     """This rank's shard of a checkpoint (model.pth, model_int8.pth or model_int4.g<N>.pth), ready to
-    run with the other ranks: checkpoint.load_model's steps, with the shard cut on the host before the
-    model moves to its device (only the shard moves, and int4 codes are cut before they are packed)."""
-    try:
-        config = ModelArgs.for_checkpoint(checkpoint_path)
-    except (ValueError, KeyError, json.JSONDecodeError) as e:
-        raise UserError(f"model config for {checkpoint_path}: {e}") from e
-    quantized = parse_quantized_name(checkpoint_path)
-    with torch.device("meta"):
-        model = Transformer(config)
-        if quantized:
-            try:
-                replace_linears(model, *quantized)
-            except ValueError as e:
-                raise UserError(f"{checkpoint_path}: {e}") from e
-    state_dict = load_state_dict(checkpoint_path)
-    check_state_dict(model, state_dict, checkpoint_path)
-    model.load_state_dict(state_dict, assign=True)
-    if config.tie_embeddings and not quantized:
-        model.output.weight = model.tok_embeddings.weight
-    try:
-        shard_model(model, rank(), world_size())
-    except ValueError as e:
-        raise UserError(f"{checkpoint_path}: {e}") from e
-    model = model.to(device=device, dtype=dtype).eval()
-    pack_int4(model)
+    run with the other ranks: cut on the host before the model moves to its device (only the shard
+    moves, and int4 codes are cut before they are packed)."""
+    model = load_model(checkpoint_path, device, dtype, shard=lambda model: shard_model(model, rank(), world_size()))
     all_reduce_partial_sums(model)
     return model
 
