@@ -12,7 +12,7 @@ summed over the steps and divided by them, goes into a part:
                  inductor's kernels and count under "other compiled kernels"
   full-cache attention   the full cache's decode attention (kernels/dense_cpu.c)
   low-bit read   SpeCache's pass over the 1-bit copy (kernels/lowbit_cpu.c)
-  top-k          torch's topk (SpeCache's selection)
+  choice and top-k   SpeCache's ranking of positions and top-k (kernels/rank_cpu.c; torch's topk elsewhere)
   gather         gather and indexing (SpeCache's fetch of pairs from the slow tier in RAM)
   other compiled kernels   inductor's generated loops (norms, RoPE, the merge, masks, ...)
   other ops      the rest of torch's ops in the step
@@ -40,7 +40,7 @@ PARTS = [
     ("weights", ("specache::quantized_linear", "aten::_weight_int8pack_mm", "specache::int4_matmul")),
     ("full-cache attention", ("specache::dense_decode_attention",)),
     ("low-bit read", ("specache::lowbit_partial_attention",)),
-    ("top-k", ("aten::topk",)),
+    ("choice and top-k", ("aten::topk", "specache::top_positions")),
     ("gather", ("aten::gather", "aten::index", "aten::index_select")),
 ]
 
