@@ -1,7 +1,8 @@
 // The CPU ops that a decode step calls most, dispatched in C++: specache::quantized_linear (about 150
-// calls a step on SmolLM2), specache::dense_decode_attention (one per layer) and specache::top_positions
-// (SpeCache: two per layer). Their Python implementations (kernels/linear_cpu.py, kernels/dense_cpu.py,
-// kernels/rank_cpu.py: `_op`) check the inputs, fill a ctypes
+// calls a step on SmolLM2), specache::dense_decode_attention (one per layer), and SpeCache's
+// specache::lowbit_partial_attention (one per layer) and specache::top_positions (two per layer). Their
+// Python implementations (kernels/linear_cpu.py, dense_cpu.py, lowbit_cpu.py, rank_cpu.py: `_op`)
+// check the inputs, fill a ctypes
 // struct and call the C kernel, about 12 us a call; this does the same in about 2.
 //
 // kernels/cpu_ops.py builds it at first use against the running torch's headers. Each kernel's module
@@ -15,12 +16,14 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -48,12 +51,22 @@ struct RankProblem {  // kernels/rank_cpu.c
   int32_t s, row, max_over_heads, threads;
 };
 
+struct LowbitProblem {  // kernels/lowbit_cpu.c
+  const void *rows, *k_packed, *v_packed, *k_scale, *k_zero, *v_scale, *v_zero, *visible_len, *excluded_pos,
+      *excluded_valid;
+  void *weights, *row_max, *row_sum, *out;
+  int64_t batch, heads, m, d, t, k;
+  int32_t bits, group, value_groups, bf16, threads;
+};
+
 using LinearKernel = int (*)(const LinearProblem *);
 using DenseKernel = int (*)(const DenseProblem *);
 using RankKernel = int (*)(const RankProblem *);
+using LowbitKernel = int (*)(const LowbitProblem *);
 LinearKernel linear_kernel = nullptr;
 DenseKernel dense_kernel = nullptr;
 RankKernel rank_kernel = nullptr;
+LowbitKernel lowbit_kernel = nullptr;
 
 at::Tensor quantized_linear(const at::Tensor &x_in, const at::Tensor &codes_in, const at::Tensor &scales_in,
                             const std::optional<at::Tensor> &zeros_in, int64_t group) {
@@ -108,6 +121,54 @@ at::Tensor dense_decode_attention(const at::Tensor &q_in, const at::Tensor &k_in
                              static_cast<int32_t>(at::get_num_threads())};
   TORCH_CHECK(dense_kernel(&problem) == 0, "dense_cpu.c rejected a problem that passed the checks");
   return out;
+}
+
+// The checks guard the kernel's reads and writes; kernels/lowbit_cpu.py's _check states the whole contract.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_partial_attention(
+    const at::Tensor &rows_in, const at::Tensor &k_packed_in, const at::Tensor &k_scale_in, const at::Tensor &k_zero_in,
+    const at::Tensor &v_packed_in, const at::Tensor &v_scale_in, const at::Tensor &v_zero_in, int64_t bits, int64_t group,
+    const at::Tensor &visible_len_in, const at::Tensor &excluded_pos_in, const at::Tensor &excluded_valid_in) {
+  TORCH_CHECK(lowbit_kernel, "lowbit_partial_attention: the C kernel was not handed over");
+  TORCH_CHECK_VALUE(rows_in.dim() == 4 && rows_in.scalar_type() == at::kFloat,
+                    "lowbit_partial_attention: rows must be (B, Hkv, M, D) float32");
+  const int64_t b = rows_in.size(0), h = rows_in.size(1), m = rows_in.size(2), d = rows_in.size(3);
+  TORCH_CHECK_VALUE(bits == 1 || bits == 2, "lowbit_partial_attention: bits must be 1 or 2");
+  TORCH_CHECK_VALUE(d % 16 == 0 && d >= 16 && d <= 256 && group > 0 && group % 8 == 0,
+                    "lowbit_partial_attention: need head_dim a multiple of 16 up to 256 and group a multiple of 8");
+  TORCH_CHECK_VALUE(k_packed_in.dim() == 4 && k_packed_in.size(2) > 0, "lowbit_partial_attention: k_packed must be (B, Hkv, T > 0, D*bits/8)");
+  const int64_t t = k_packed_in.size(2), nbytes = d * bits / 8, groups = (t + group - 1) / group;
+  const int64_t value_groups = v_scale_in.dim() == 4 ? v_scale_in.size(3) : 0;
+  TORCH_CHECK_VALUE(value_groups > 0 && d % value_groups == 0 && d / value_groups == std::min<int64_t>(group, d),
+                    "lowbit_partial_attention: v_scale must be (B, Hkv, T, D / min(group, D))");
+  const auto scale_type = k_scale_in.scalar_type();
+  TORCH_CHECK_VALUE(scale_type == at::kHalf || scale_type == at::kBFloat16, "lowbit_partial_attention: scales must be float16 or bfloat16");
+  const std::pair<const at::Tensor *, std::vector<int64_t>> shapes[] = {
+      {&k_packed_in, {b, h, t, nbytes}}, {&v_packed_in, {b, h, t, nbytes}}, {&k_scale_in, {b, h, groups, d}},
+      {&k_zero_in, {b, h, groups, d}}, {&v_scale_in, {b, h, t, value_groups}}, {&v_zero_in, {b, h, t, value_groups}}};
+  for (const auto &[x, shape] : shapes)
+    TORCH_CHECK_VALUE(x->sizes() == at::IntArrayRef(shape) &&
+                          x->scalar_type() == (x == &k_packed_in || x == &v_packed_in ? at::kByte : scale_type),
+                      "lowbit_partial_attention: the low-bit copy's tensors do not have kernels/quant.py's layout");
+  TORCH_CHECK_VALUE(visible_len_in.dim() == 1 && visible_len_in.size(0) == b && visible_len_in.scalar_type() == at::kLong,
+                    "lowbit_partial_attention: visible_len must be (B,) int64");
+  TORCH_CHECK_VALUE(excluded_pos_in.dim() == 3 && excluded_pos_in.size(0) == b && excluded_pos_in.size(1) == h &&
+                        excluded_pos_in.scalar_type() == at::kLong && excluded_valid_in.sizes() == excluded_pos_in.sizes() &&
+                        excluded_valid_in.scalar_type() == at::kBool,
+                    "lowbit_partial_attention: excluded_pos must be (B, Hkv, K) int64 and excluded_valid bool of its shape");
+  const at::Tensor rows = rows_in.contiguous(), k_packed = k_packed_in.contiguous(), v_packed = v_packed_in.contiguous(),
+                   k_scale = k_scale_in.contiguous(), k_zero = k_zero_in.contiguous(), v_scale = v_scale_in.contiguous(),
+                   v_zero = v_zero_in.contiguous(), visible_len = visible_len_in.contiguous(),
+                   excluded_pos = excluded_pos_in.contiguous(), excluded_valid = excluded_valid_in.contiguous();
+  at::Tensor weights = at::empty({b, h, m, t}, rows.options()), row_max = at::empty({b, h, m}, rows.options());
+  at::Tensor row_sum = at::empty({b, h, m}, rows.options()), out = at::empty({b, h, m, d}, rows.options());
+  const LowbitProblem problem{rows.data_ptr(), k_packed.data_ptr(), v_packed.data_ptr(), k_scale.data_ptr(),
+                              k_zero.data_ptr(), v_scale.data_ptr(), v_zero.data_ptr(), visible_len.data_ptr(),
+                              excluded_pos.data_ptr(), excluded_valid.data_ptr(), weights.data_ptr(), row_max.data_ptr(),
+                              row_sum.data_ptr(), out.data_ptr(), b, h, m, d, t, excluded_pos.size(2),
+                              static_cast<int32_t>(bits), static_cast<int32_t>(group), static_cast<int32_t>(value_groups),
+                              scale_type == at::kBFloat16 ? 1 : 0, static_cast<int32_t>(at::get_num_threads())};
+  TORCH_CHECK(lowbit_kernel(&problem) == 0, "lowbit_cpu.c rejected a problem that passed the checks");
+  return {weights, row_max, row_sum, out};
 }
 
 // The checks guard the kernel's reads and writes; kernels/rank_cpu.py's _check states the whole contract.
@@ -172,6 +233,9 @@ void set_cpu_kernel(const std::string &name, int64_t address) {
   } else if (name == "top_positions") {
     first = rank_kernel == nullptr;
     rank_kernel = reinterpret_cast<RankKernel>(address);
+  } else if (name == "lowbit_partial_attention") {
+    first = lowbit_kernel == nullptr;
+    lowbit_kernel = reinterpret_cast<LowbitKernel>(address);
   } else {
     TORCH_CHECK(false, "set_cpu_kernel: no C++ implementation of ", name);
   }
@@ -181,8 +245,10 @@ void set_cpu_kernel(const std::string &name, int64_t address) {
     library->impl("quantized_linear", &quantized_linear);
   else if (name == "dense_decode_attention")
     library->impl("dense_decode_attention", &dense_decode_attention);
-  else
+  else if (name == "top_positions")
     library->impl("top_positions", &top_positions);
+  else
+    library->impl("lowbit_partial_attention", &lowbit_partial_attention);
   registrations().push_back(std::move(library));
 }
 

@@ -32,7 +32,8 @@ The kernel is compiled at first use (kernels/cpu_build.py). Without AVX-512 the 
 plain C that runs the same tables one lookup at a time. Without gcc, or when the build fails,
 `available()` is False (with one warning) and the reference runs instead; SPECACHE_NO_CPU_KERNEL=1
 forces that. The kernel is the op `specache::lowbit_partial_attention` (with the LowBitKV fields
-spread out), which torch.compile keeps as one opaque call; `run_kernel(load(build(flags)), ...)` runs a given build.
+spread out), which torch.compile keeps as one opaque call, dispatched in C++ (kernels/cpu_ops.cpp)
+where that builds; `run_kernel(load(build(flags)), ...)` runs a given build.
 """
 import ctypes
 from functools import lru_cache
@@ -41,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kernels import cpu_build
+from kernels import cpu_build, cpu_ops
 from kernels.quant import SCALE_DTYPES, LowBitKV, dequantize_keys, dequantize_values, value_group
 
 SOURCE = Path(__file__).with_name("lowbit_cpu.c")
@@ -141,6 +142,8 @@ def load(path: Path) -> ctypes.CDLL:
 def _library() -> ctypes.CDLL | None:
     lib = cpu_build.build_and_load(SOURCE, "lowbit_partial_attention", _Problem,
                                    "the CPU low-bit kernel is unavailable, using the PyTorch reference")
+    if lib is not None:
+        cpu_ops.hand_over("lowbit_partial_attention", lib.lowbit_partial_attention)  # C++ dispatch where it builds
     return lib
 
 
@@ -187,7 +190,7 @@ _LIBRARY = torch.library.Library("specache", "FRAGMENT")
 _LIBRARY.define("lowbit_partial_attention(Tensor rows, Tensor k_packed, Tensor k_scale, Tensor k_zero, "
                 "Tensor v_packed, Tensor v_scale, Tensor v_zero, int bits, int group, Tensor visible_len, "
                 "Tensor excluded_pos, Tensor excluded_valid) -> (Tensor, Tensor, Tensor, Tensor)")
-_LIBRARY.impl("lowbit_partial_attention", _op, "CPU")
+_LIBRARY.impl("lowbit_partial_attention", _op, "CompositeExplicitAutograd")  # kernels/cpu_ops.cpp overrides it for CPU
 
 
 @torch.library.register_fake("specache::lowbit_partial_attention")

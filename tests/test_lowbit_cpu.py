@@ -145,6 +145,14 @@ def test_public_function_uses_the_kernel_and_the_env_var_forces_the_reference(na
     assert all(torch.equal(x, y) for x, y in zip(lowbit_partial_attention(*inputs), want))
 
 
+def test_cpp_dispatch_runs_the_same_kernel_as_the_python_one(native):
+    """kernels/cpu_ops.cpp's implementation of the op (where g++ builds it) and the ctypes one."""
+    inputs = problem(2, 128, 32)
+    rows, kv, *rest = inputs
+    via_op = torch.ops.specache.lowbit_partial_attention(rows, *kv[:6], kv.bits, kv.group, *rest)
+    assert all(torch.equal(x, y) for x, y in zip(via_op, lowbit_cpu.run_kernel(native, *inputs)))
+
+
 def test_without_gcc_available_is_false_with_one_warning(monkeypatch):
     monkeypatch.setattr(cpu_build.shutil, "which", lambda name: None)
     lowbit_cpu._library.cache_clear()
