@@ -163,8 +163,9 @@ def dequantize_values_at(kv: LowBitKV, positions: Tensor) -> Tensor:
 
 
 def drop_from_lowbit(part: LowBitPart, kv: LowBitKV, positions: Tensor, valid: Tensor) -> LowBitPart:
-    """`part` as if the valid `positions` (B, Hkv, K, distinct per head) had been excluded from the
-    low-bit pass: their weights and weighted values are subtracted. This is how positions chosen
+    """`part` as if the valid `positions` (B, Hkv, K; the valid ones distinct per head, the invalid
+    ones anywhere) had been excluded from the low-bit pass: their weights and weighted values are
+    subtracted. This is how positions chosen
     from the low-bit pass's own weights move to the 16-bit segment without a second pass; the
     error is that of the subtraction, a few ulps of the row's low-bit sum (tested against a pass
     that excludes them). Positions already at weight 0 (excluded or invisible) change nothing."""
@@ -173,7 +174,7 @@ def drop_from_lowbit(part: LowBitPart, kv: LowBitKV, positions: Tensor, valid: T
     dropped = part.weights.gather(-1, index) * valid.unsqueeze(2)
     out = part.out - dropped @ dequantize_values_at(kv, positions)
     row_sum = (part.row_sum - dropped.sum(-1)).clamp_min(0.0)
-    weights = part.weights.scatter(-1, index, part.weights.gather(-1, index) - dropped)
+    weights = part.weights.scatter_add(-1, index, -dropped)  # invalid entries add 0, wherever they point
     return LowBitPart(weights, part.row_max, row_sum, out)
 
 

@@ -132,8 +132,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_partial_attent
   TORCH_CHECK_VALUE(rows_in.dim() == 4 && rows_in.scalar_type() == at::kFloat,
                     "lowbit_partial_attention: rows must be (B, Hkv, M, D) float32");
   const int64_t b = rows_in.size(0), h = rows_in.size(1), m = rows_in.size(2), d = rows_in.size(3);
+  TORCH_CHECK_VALUE(b >= 1 && h >= 1, "lowbit_partial_attention: need B and Hkv >= 1");
   TORCH_CHECK_VALUE(bits == 1 || bits == 2, "lowbit_partial_attention: bits must be 1 or 2");
-  TORCH_CHECK_VALUE(d % 16 == 0 && d >= 16 && d <= 256 && group > 0 && group % 8 == 0,
+  TORCH_CHECK_VALUE(d % 16 == 0 && d >= 16 && d <= 256 && group > 0 && group % 8 == 0 && group <= (1 << 20),
                     "lowbit_partial_attention: need head_dim a multiple of 16 up to 256 and group a multiple of 8");
   TORCH_CHECK_VALUE(k_packed_in.dim() == 4 && k_packed_in.size(2) > 0, "lowbit_partial_attention: k_packed must be (B, Hkv, T > 0, D*bits/8)");
   const int64_t t = k_packed_in.size(2), nbytes = d * bits / 8, groups = (t + group - 1) / group;
@@ -182,7 +183,8 @@ std::tuple<at::Tensor, at::Tensor> top_positions(const at::Tensor &weights_in, c
   TORCH_CHECK_VALUE(weights_in.dim() == 4 && weights_in.scalar_type() == at::kFloat,
                     "top_positions: weights must be (B, Hkv, M, T) float32");
   const int64_t b = weights_in.size(0), h = weights_in.size(1), m = weights_in.size(2), t = weights_in.size(3);
-  TORCH_CHECK_VALUE(s >= 1 && m % s == 0 && row >= 0 && row < s && k >= 0, "top_positions: need M a multiple of S, 0 <= row < S, k >= 0");
+  TORCH_CHECK_VALUE(b >= 1 && h >= 1 && s >= 1 && m >= s && m % s == 0 && row >= 0 && row < s && k >= 0,
+                    "top_positions: need B, Hkv >= 1, M a positive multiple of S, 0 <= row < S, k >= 0");
   TORCH_CHECK_VALUE(scale_in.numel() == b * h * m && scale_in.dim() >= 3 && scale_in.size(0) == b && scale_in.size(1) == h &&
                         scale_in.size(2) == m && scale_in.scalar_type() == at::kFloat,
                     "top_positions: scale must be (B, Hkv, M) float32");

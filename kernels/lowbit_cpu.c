@@ -452,7 +452,7 @@ static void finish_head(const Problem *p, int64_t bh, int64_t chunks, const floa
 
 /* Returns 0, -1 for a problem outside what this file handles (the wrapper checks first), -2 without memory. */
 int lowbit_partial_attention(const Problem *p) {
-    if ((p->bits != 1 && p->bits != 2) || p->d % 16 || p->d > MAX_D || p->group <= 0 || p->group % 8 ||
+    if (p->batch < 1 || p->heads < 1 || (p->bits != 1 && p->bits != 2) || p->d % 16 || p->d > MAX_D || p->group <= 0 || p->group % 8 ||
         p->value_groups <= 0 || p->d % p->value_groups || p->d / p->value_groups < 8 || p->threads <= 0 || p->t <= 0)
         return -1;
     const int64_t heads = p->batch * p->heads, m = p->m, d = p->d;

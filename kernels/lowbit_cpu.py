@@ -63,6 +63,8 @@ def _check(rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor
     if rows.dim() != 4 or rows.dtype != torch.float32:
         fail(f"rows must be (B, Hkv, M, D) float32, got {tuple(rows.shape)} {rows.dtype}")
     b, h, _, d = rows.shape
+    if b < 1 or h < 1:
+        fail(f"need B and Hkv >= 1, got {tuple(rows.shape)}")
     if kv.bits not in (1, 2):
         fail(f"bits must be 1 or 2, got {kv.bits}")
     if d % 16 or not 16 <= d <= MAX_HEAD_DIM:
@@ -180,7 +182,7 @@ def _op(rows: Tensor, k_packed: Tensor, k_scale: Tensor, k_zero: Tensor, v_packe
         excluded_valid: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     kv = LowBitKV(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group)
     lib = _library()
-    if lib is None:  # called directly, where the kernel cannot run
+    if lib is None or rows.device.type != "cpu":  # called directly, where the kernel cannot run
         return lowbit_partial_attention_reference(rows, kv, visible_len, excluded_pos, excluded_valid)
     return run_kernel(lib, rows, kv, visible_len, excluded_pos, excluded_valid)
 

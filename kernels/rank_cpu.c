@@ -144,7 +144,7 @@ static int rank_one(const Problem *p, int64_t b, int64_t h, float *ranking, floa
 }
 
 int top_positions(const Problem *p) {
-    if (p->batch < 1 || p->heads < 1 || p->s < 1 || p->m % p->s || p->row < 0 || p->row >= p->s || p->k < 0 ||
+    if (p->batch < 1 || p->heads < 1 || p->s < 1 || p->m < p->s || p->m % p->s || p->row < 0 || p->row >= p->s || p->k < 0 ||
         p->t < 0)
         return 1;
     const int64_t tasks = p->batch * p->heads, span = p->t > 0 ? p->t : 1;

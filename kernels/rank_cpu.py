@@ -47,8 +47,9 @@ def _check(weights: Tensor, scale: Tensor, p_fetched: Tensor, fetched_pos: Tenso
     if weights.dim() != 4 or weights.dtype != torch.float32:
         fail(f"weights must be (B, Hkv, M, T) float32, got {tuple(weights.shape)} {weights.dtype}")
     b, h, m, _ = weights.shape
-    if s < 1 or m % s or not 0 <= row < s or k < 0:
-        fail(f"need M = {m} a multiple of S = {s}, 0 <= row = {row} < S and k = {k} >= 0")
+    if b < 1 or h < 1 or s < 1 or m < s or m % s or not 0 <= row < s or k < 0:
+        fail(f"need B = {b} and Hkv = {h} >= 1, M = {m} a positive multiple of S = {s}, 0 <= row = {row} < S and "
+             f"k = {k} >= 0")
     if scale.numel() != b * h * m or scale.shape[:3] != (b, h, m) or scale.dtype != torch.float32:
         fail(f"scale must be ({b}, {h}, {m}) or ({b}, {h}, {m}, 1) float32, got {tuple(scale.shape)} {scale.dtype}")
     for name, x in (("p_fetched", p_fetched), ("p_window", p_window)):
@@ -161,7 +162,8 @@ def _op(weights: Tensor, scale: Tensor, p_fetched: Tensor, fetched_pos: Tensor, 
     lib = _library()
     args = (weights, scale, p_fetched, fetched_pos, p_window, window_start, s, row, gqa_max, lower, upper,
             excluded_pos, excluded_valid, k)
-    return top_positions_reference(*args) if lib is None else run_kernel(lib, *args)
+    on_cpu = weights.device.type == "cpu"
+    return run_kernel(lib, *args) if lib is not None and on_cpu else top_positions_reference(*args)
 
 
 _LIBRARY = torch.library.Library("specache", "FRAGMENT")

@@ -186,6 +186,8 @@ def test_dropping_positions_equals_excluding_them_from_the_pass(bits):
     g = torch.Generator().manual_seed(3)
     picked = torch.stack([torch.randperm(100, generator=g)[:12] for _ in range(6)]).view(2, 3, 12)
     picked_valid = torch.rand(2, 3, 12, generator=g) < 0.8
+    picked_valid[..., 0], picked_valid[..., 11] = True, False
+    picked[..., 11] = picked[..., 0]  # an invalid entry repeating a valid one (kernels/rank_cpu.c leaves them so)
     part = drop_from_lowbit(lowbit_part(rows, kv, seg), kv, picked, picked_valid)
     both = seg._replace(fetched_pos=torch.cat([seg.fetched_pos, picked], -1),
                         fetched_valid=torch.cat([seg.fetched_valid, picked_valid], -1))
