@@ -141,8 +141,8 @@ def test_cpp_dispatch_and_compile_run_the_kernel(native):
         assert torch.equal(direct[0], other[0]) and torch.equal(direct[1], other[1])
 
 
-@pytest.mark.parametrize("corrupt", ["weights dtype", "no query rows", "scale shape", "fetched_pos shape", "upper dtype",
-                                     "row"])
+@pytest.mark.parametrize("corrupt", ["weights dtype", "no query rows", "scale shape", "fetched_pos shape",
+                                     "upper dtype", "row"])
 def test_bad_inputs_raise_value_error(native, corrupt):
     inputs = problem(t=40)
     upper, row = torch.tensor([40, 40]), 0
