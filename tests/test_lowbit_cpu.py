@@ -46,7 +46,7 @@ def portable():
     """The plain C path that machines without AVX-512 build (on x86, the only place to test it)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("-march=x86-64 needs an x86 machine")
-    return lowbit_cpu.load(lowbit_cpu.build(("-O3", "-march=x86-64", "-fopenmp", "-shared", "-fPIC")))
+    return lowbit_cpu.load(lowbit_cpu.build(cpu_build.PORTABLE_FLAGS))
 
 
 def problem(bits=1, d=64, group=64, t=200, m=6, b=2, n_kv=2, scale_dtype=torch.float16, visible=None, seed=0):

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from kernels import rank_cpu
+from kernels import cpu_build, rank_cpu
 from kernels.rank_cpu import top_positions_reference
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc: only the reference exists")
@@ -29,7 +29,7 @@ def native():
 def portable():
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("-march=x86-64 needs an x86 machine")
-    return rank_cpu.load(rank_cpu.build(("-O3", "-march=x86-64", "-fopenmp", "-shared", "-fPIC")))
+    return rank_cpu.load(rank_cpu.build(cpu_build.PORTABLE_FLAGS))
 
 
 def problem(b=2, h=3, g=3, s=2, t=300, n_fetched=9, n_window=16, n_excluded=12, seed=0):
