@@ -11,7 +11,7 @@
      range [lower, upper), built query head by query head (max or sum over them).
    - The heap holds the k best so far, the worst at its root: a position enters only if it beats
      the root, and blocks of positions none of which does are skipped after one vectorized
-     comparison. Ties go to the earlier position.
+     comparison; the scan goes from the most recent block back. Ties go to the earlier position.
    - Positions the call excludes, and positions outside the range, are never chosen. Fewer
      candidates than k leave the last entries at position 0, marked invalid. */
 #include <math.h>
@@ -108,12 +108,16 @@ static int rank_one(const Problem *p, int64_t b, int64_t h, float *ranking, floa
         if (p->excluded_valid[bh * p->n_excluded + j] && pos >= lo && pos < hi) ranking[pos - lo] = -1.0f;
     }
     int64_t size = 0;
-    for (int64_t start = 0; start < n; start += BLOCK) {
+    /* From the most recent block back: attention favours recent positions, so the heap fills with
+       high weights first and most older blocks are skipped (in position order, a weight that grows
+       with recency would replace the root at nearly every position). The heap's order is total, so
+       the result does not depend on the order of the scan. */
+    for (int64_t start = (n - 1) / BLOCK * BLOCK; start >= 0; start -= BLOCK) {
         const int64_t end = start + BLOCK < n ? start + BLOCK : n;
         if (size == p->k) {  /* a full heap: a block none of whose positions beats the root is skipped whole */
             const float floor = p->k ? heap[0].value : INFINITY;
             int beats = 0;
-            for (int64_t i = start; i < end; i++) beats |= ranking[i] > floor;  /* vectorized */
+            for (int64_t i = start; i < end; i++) beats |= ranking[i] >= floor;  /* vectorized; earlier: ties win */
             if (!beats) continue;
         }
         for (int64_t i = start; i < end; i++) {

@@ -46,6 +46,8 @@ PARTS = [
 
 
 def part_of(name: str) -> str:
+    if name.startswith("aoti_torch_cpu_"):  # an aten op as the C++ wrapper calls it: aoti_torch_cpu_bmm_out
+        name = "aten::" + name.removeprefix("aoti_torch_cpu_").removesuffix("_out")
     for part, names in PARTS:
         if name in names:
             return part
