@@ -55,11 +55,12 @@ DISK = [
 ]
 PEER = [
     ("llama_cpp/bench", "SmolLM2-135M: against llama.cpp", "scripts/bench.py --checkpoint ... --lengths 1024 4096 ...",
-     "Our model with int8 weights, each method's whole decode step compiled, with the full cache (K and V in "
-     "float32, and in float16: full-16bit) and SpeCache 1-bit (ours and the paper's selection), beside llama.cpp "
-     "on the Q4_1 GGUF the default model comes from (llama-cpp-python 0.3.36 built without AMX, f16 and q4_0 KV "
-     "caches; up to 16k), same prompt, 2 threads, one run. 'vs fastest full' is over the faster of our two full "
-     "caches, 'vs llama.cpp' over its f16-KV decode; 'compile s' is each method's first run."),
+     "Our model with int4 weights (groups of 32), each method's whole decode step compiled (C++ wrapper), with the "
+     "full cache (K and V in float32, and in float16: full-16bit) and SpeCache 1-bit (ours and the paper's "
+     "selection), beside llama.cpp on the Q4_1 GGUF the default model comes from (llama-cpp-python 0.3.36 built "
+     "without AMX, f16 and q4_0 KV caches; up to 16k), same prompt, 2 threads, one run. 'vs fastest full' is over "
+     "the faster of our two full caches, 'vs llama.cpp' over its f16-KV decode; 'compile s' is each method's first "
+     "run."),
     ("llama_cpp/profile", "SmolLM2-135M: where a step's time goes", "scripts/profile_step.py --lengths ...",
      "The same model and methods, a step split into parts by torch.profiler: the quantized Linears' kernel, the "
      "full cache's attention, SpeCache's low-bit read, its choice of positions and top-k (one C op), gathers, "
