@@ -89,7 +89,7 @@ def prompt_lookup_guess(logits: Tensor, history: Tensor, lengths: Tensor, max_ng
 
     An occurrence is found by where it ends: ends_n[j] says that history[j-n+1 .. j] are the last n
     tokens, and ends_n is ends_{n-1} and one more comparison, so each n costs one pass over the
-    history (it runs every step, outside the compiled graph: 0.5 ms at 16k tokens on a CPU core)."""
+    history (it runs every step, outside the compiled graph: 0.3 ms at 16k tokens on a CPU)."""
     b, length = history.shape
     position = torch.arange(length, device=history.device)
     followed = position + 1 < lengths[:, None]  # a token follows j, and j is not the last token itself

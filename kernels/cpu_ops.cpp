@@ -68,6 +68,15 @@ DenseKernel dense_kernel = nullptr;
 RankKernel rank_kernel = nullptr;
 LowbitKernel lowbit_kernel = nullptr;
 
+// Positions a call never attends or chooses: excluded_pos (B, Hkv, E) int64, where excluded_valid (same shape, bool).
+void check_exclusions(const char *op, const at::Tensor &excluded_pos, const at::Tensor &excluded_valid, int64_t b,
+                      int64_t h) {
+  TORCH_CHECK_VALUE(excluded_pos.dim() == 3 && excluded_pos.size(0) == b && excluded_pos.size(1) == h &&
+                        excluded_pos.scalar_type() == at::kLong && excluded_valid.sizes() == excluded_pos.sizes() &&
+                        excluded_valid.scalar_type() == at::kBool,
+                    op, ": excluded_pos must be (B, Hkv, E) int64 and excluded_valid bool of its shape");
+}
+
 at::Tensor quantized_linear(const at::Tensor &x_in, const at::Tensor &codes_in, const at::Tensor &scales_in,
                             const std::optional<at::Tensor> &zeros_in, int64_t group) {
   TORCH_CHECK(linear_kernel, "quantized_linear: the C kernel was not handed over");
@@ -152,10 +161,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_partial_attent
                       "lowbit_partial_attention: the low-bit copy's tensors do not have kernels/quant.py's layout");
   TORCH_CHECK_VALUE(visible_len_in.dim() == 1 && visible_len_in.size(0) == b && visible_len_in.scalar_type() == at::kLong,
                     "lowbit_partial_attention: visible_len must be (B,) int64");
-  TORCH_CHECK_VALUE(excluded_pos_in.dim() == 3 && excluded_pos_in.size(0) == b && excluded_pos_in.size(1) == h &&
-                        excluded_pos_in.scalar_type() == at::kLong && excluded_valid_in.sizes() == excluded_pos_in.sizes() &&
-                        excluded_valid_in.scalar_type() == at::kBool,
-                    "lowbit_partial_attention: excluded_pos must be (B, Hkv, K) int64 and excluded_valid bool of its shape");
+  check_exclusions("lowbit_partial_attention", excluded_pos_in, excluded_valid_in, b, h);
   const at::Tensor rows = rows_in.contiguous(), k_packed = k_packed_in.contiguous(), v_packed = v_packed_in.contiguous(),
                    k_scale = k_scale_in.contiguous(), k_zero = k_zero_in.contiguous(), v_scale = v_scale_in.contiguous(),
                    v_zero = v_zero_in.contiguous(), visible_len = visible_len_in.contiguous(),
@@ -197,10 +203,7 @@ std::tuple<at::Tensor, at::Tensor> top_positions(const at::Tensor &weights_in, c
   for (const at::Tensor *x : {&window_start_in, &upper_in})
     TORCH_CHECK_VALUE(x->dim() == 1 && x->size(0) == b && x->scalar_type() == at::kLong,
                       "top_positions: window_start and upper must be (B,) int64");
-  TORCH_CHECK_VALUE(excluded_pos_in.dim() == 3 && excluded_pos_in.size(0) == b && excluded_pos_in.size(1) == h &&
-                        excluded_pos_in.scalar_type() == at::kLong && excluded_valid_in.sizes() == excluded_pos_in.sizes() &&
-                        excluded_valid_in.scalar_type() == at::kBool,
-                    "top_positions: excluded_pos must be (B, Hkv, E) int64 and excluded_valid bool of its shape");
+  check_exclusions("top_positions", excluded_pos_in, excluded_valid_in, b, h);
   const at::Tensor weights = weights_in.contiguous(), scale = scale_in.contiguous(), p_fetched = p_fetched_in.contiguous(),
                    fetched_pos = fetched_pos_in.contiguous(), p_window = p_window_in.contiguous(),
                    window_start = window_start_in.contiguous(), upper = upper_in.contiguous(),

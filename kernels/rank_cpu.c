@@ -117,7 +117,7 @@ static int rank_one(const Problem *p, int64_t b, int64_t h, float *ranking, floa
         if (size == p->k) {  /* a full heap: a block none of whose positions beats the root is skipped whole */
             const float floor = p->k ? heap[0].value : INFINITY;
             int beats = 0;
-            for (int64_t i = start; i < end; i++) beats |= ranking[i] >= floor;  /* vectorized; earlier: ties win */
+            for (int64_t i = start; i < end; i++) beats |= ranking[i] >= floor;  /* vectorized; >=: a tie at an earlier position wins */
             if (!beats) continue;
         }
         for (int64_t i = start; i < end; i++) {
