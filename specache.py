@@ -46,7 +46,7 @@ from torch import Tensor
 
 from disk_tier import DiskFolder, DiskTier
 from kernels import lowbit_cpu
-from kernels.attention import (Segments, drop_from_lowbit, lowbit_part, merge_softmax, merged_output, positions_mask,
+from kernels.attention import (Segments, drop_from_lowbit, lowbit_part, merge_softmax, positions_mask,
                                query_rows, row_position_weights, select_top_k, top_positions)
 from kernels.quant import LEVELS, LowBitKV, quantize_keys, quantize_values, sixteen_bit_dtype, value_group
 from model import CausalPrompt, Pass, RingKVCache, Transformer, attention, attention_after_history, history_block
@@ -347,8 +347,8 @@ class SpeCacheLayer(nn.Module):
         part = lowbit_part(rows, self.lowbit(), seg)
         if self.picks:
             part, seg = self.pick_within_step(rows, part, seg, s, discard)
-        merged = merge_softmax(rows, part, seg, s)
-        y = merged_output(part, merged, seg)
+        merged = merge_softmax(rows, part, seg)
+        y = merged.out
         if c.stats and keep:  # before the prefetch rewrites the slots that seg reads
             self.diagnostics += diagnose(self, rows, seg, s)
         if self.k_spec:  # the last row (the speculative one, or T1 in the bootstrap) chooses kappa_{t+1}
@@ -382,7 +382,7 @@ class SpeCacheLayer(nn.Module):
         oracle, with its exact scores); their 16-bit pairs are read now, fill the real row's slots
         (all k slots of a KV head in `discard`), and their low-bit share leaves `part`."""
         c, t, lq = self.config, part.weights.shape[-1], self.state.quantized_len
-        merged = merge_softmax(rows, part, seg, s)
+        merged = merge_softmax(rows, part, seg)
         if c.oracle:
             weights = row_position_weights(part, merged, seg, s, 0)  # (B, Hkv, G, T)
             exact, _ = exact_real_row_probs(self, rows, seg, s)

@@ -56,7 +56,7 @@ def diagnose(layer, rows: Tensor, seg: Segments, s: int) -> Tensor:
     oracle_coverage = (mass * covered).sum(-1) + elsewhere
     plain = seg._replace(fetched_valid=sinks)  # the real row's own low-bit pass: only the sinks exact
     plain_part = lowbit_part(rows, layer.lowbit(), plain)
-    own_weights = row_position_weights(plain_part, merge_softmax(rows, plain_part, plain, s), plain, s, 0)
+    own_weights = row_position_weights(plain_part, merge_softmax(rows, plain_part, plain), plain, s, 0)
     own, own_valid = select_top_k(over_query_heads(own_weights, c.gqa), selectable, k)
     fetched_pos, fetched_valid = seg.fetched_pos[:, :, layer.n_sinks:], seg.fetched_valid[:, :, layer.n_sinks:]
 

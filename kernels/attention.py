@@ -10,11 +10,12 @@ attend over four segments of one sequence's history:
 
 All four share one softmax. The low-bit segment is computed apart (`lowbit_partial_attention`: on a
 CPU the C kernel of kernels/lowbit_cpu.py, on a GPU the Triton kernels of kernels/lowbit_triton.py,
-elsewhere `key_scores` and `value_mix` below, which torch.compile fuses) and merged with the 16-bit segments by the log-sum-exp rule. Besides the
-output, the attention returns how much weight each position of the history got from the last new
-row (the fetched and window ones with their 16-bit weight), averaged over the query heads that share
-a KV head (GQA): the speculative row's weights choose the next kappa (the only row's, without
-speculation). The window holds positions [Lq, Lq + window_len).
+elsewhere `key_scores` and `value_mix` below, which torch.compile fuses) and merged with the 16-bit
+segments by the log-sum-exp rule (`merge_softmax`: kernels/dense_cpu.py's merge_segments, one C call
+on a CPU, matmuls elsewhere). Besides the output, the attention returns how much weight each
+position of the history got from the last new row (the fetched and window ones with their 16-bit
+weight), averaged over the query heads that share a KV head (GQA): the speculative row's weights
+choose the next kappa (the only row's, without speculation). The window holds positions [Lq, Lq + window_len).
 
 Shapes: q (B, H, S, D); every key/value tensor is per KV head (B, Hkv, N, D); H = Hkv * G.
 """
@@ -23,7 +24,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from kernels import lowbit_cpu, lowbit_triton, rank_cpu
+from kernels import dense_cpu, lowbit_cpu, lowbit_triton, rank_cpu
 from kernels.quant import LowBitKV, dequantize_keys, dequantize_values, unpack_bits
 
 
@@ -178,44 +179,21 @@ def drop_from_lowbit(part: LowBitPart, kv: LowBitKV, positions: Tensor, valid: T
     return LowBitPart(weights, part.row_max, row_sum, out)
 
 
-def _segment_masks(seg: Segments, s: int, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Which keys of the 16-bit segments the rows may see: fetched (B,Hkv,1,k), window (B,1,1,R),
-    new (1,1,G*S,S)."""
-    device = seg.new_k.device
-    window = torch.arange(seg.window_k.shape[2], device=device) < seg.window_len[:, None, None, None]
-    row_s = torch.arange(s, device=device).repeat(group_size)  # the new-row index of each query row
-    new = torch.arange(s, device=device)[None, :] <= row_s[:, None]
-    return seg.fetched_valid.unsqueeze(2), window, new[None, None]
-
-
 class Merged(NamedTuple):
     """One softmax over the four segments, for rows (B, Hkv, M, D) with M = G*S, row = g*S + s."""
+    out: Tensor  # (B, Hkv, M, D) fp32: the attention output
     lowbit_scale: Tensor  # (B, Hkv, M, 1): the factor that turns the low-bit weights into probabilities
     p_fetched: Tensor  # (B, Hkv, M, k) probabilities of the fetched pairs
     p_window: Tensor  # (B, Hkv, M, R)
     p_new: Tensor  # (B, Hkv, M, S)
 
 
-def merge_softmax(rows: Tensor, part: LowBitPart, seg: Segments, s: int) -> Merged:
-    """The log-sum-exp merge of the low-bit segment with the three 16-bit ones."""
-    g = rows.shape[2] // s
-    fetched_ok, window_ok, new_ok = _segment_masks(seg, s, g)
-    neg = float("-inf")
-    scores = [(rows @ seg.fetched_k.float().transpose(-1, -2)).masked_fill(~fetched_ok, neg),
-              (rows @ seg.window_k.float().transpose(-1, -2)).masked_fill(~window_ok, neg),
-              (rows @ seg.new_k.float().transpose(-1, -2)).masked_fill(~new_ok, neg)]
-    # every row sees its own key, so the maximum is finite; KIVI alone fetches nothing (k = 0)
-    top = torch.stack([part.row_max] + [x.amax(-1) for x in scores if x.shape[-1]], -1).amax(-1, keepdim=True)
-    lowbit_scale = torch.exp(part.row_max.unsqueeze(-1) - top)  # 0 when nothing is low-bit yet
-    weights = [torch.exp(x - top) for x in scores]
-    total = part.row_sum.unsqueeze(-1) * lowbit_scale + sum(w.sum(-1, keepdim=True) for w in weights)
-    return Merged(lowbit_scale / total, *(w / total for w in weights))
-
-
-def merged_output(part: LowBitPart, merged: Merged, seg: Segments) -> Tensor:
-    """The attention output (B, Hkv, M, D), fp32."""
-    return (part.out * merged.lowbit_scale + merged.p_fetched @ seg.fetched_v.float()
-            + merged.p_window @ seg.window_v.float() + merged.p_new @ seg.new_v.float())
+def merge_softmax(rows: Tensor, part: LowBitPart, seg: Segments) -> Merged:
+    """The log-sum-exp merge of the low-bit segment with the three 16-bit ones, and the output:
+    kernels/dense_cpu.py's merge_segments (one C call on a CPU; matmuls and masks elsewhere)."""
+    return Merged(*dense_cpu.merge_segments(rows, part.row_max, part.row_sum, part.out, seg.fetched_k, seg.fetched_v,
+                                            seg.fetched_valid, seg.window_k, seg.window_v, seg.window_len, seg.new_k,
+                                            seg.new_v))
 
 
 def row_position_weights(part: LowBitPart, merged: Merged, seg: Segments, s: int, row: int) -> Tensor:
@@ -267,9 +245,8 @@ def mixed_attention(q: Tensor, kv: LowBitKV, seg: Segments) -> tuple[Tensor, Ten
     n_kv = kv.k_packed.shape[1]
     rows = query_rows(q, n_kv)
     part = lowbit_part(rows, kv, seg)
-    merged = merge_softmax(rows, part, seg, s)
-    out = merged_output(part, merged, seg)
-    return out.reshape(b, n_heads, s, d).to(q.dtype), row_position_weights(part, merged, seg, s, s - 1).mean(2)
+    merged = merge_softmax(rows, part, seg)
+    return merged.out.reshape(b, n_heads, s, d).to(q.dtype), row_position_weights(part, merged, seg, s, s - 1).mean(2)
 
 
 def mixed_attention_reference(q: Tensor, kv: LowBitKV, seg: Segments) -> tuple[Tensor, Tensor]:

@@ -1,6 +1,7 @@
 // The CPU ops that a decode step calls most, dispatched in C++: specache::quantized_linear (about 150
 // calls a step on SmolLM2), specache::dense_decode_attention (one per layer), and SpeCache's
-// specache::lowbit_partial_attention (one per layer) and specache::top_positions (two per layer). Their
+// specache::lowbit_partial_attention (one per layer), specache::merge_segments and
+// specache::top_positions (two each per layer). Their
 // Python implementations (kernels/linear_cpu.py, dense_cpu.py, lowbit_cpu.py, rank_cpu.py: `_op`)
 // check the inputs, fill a ctypes
 // struct and call the C kernel, about 12 us a call; this does the same in about 2.
@@ -43,6 +44,17 @@ struct DenseProblem {  // kernels/dense_cpu.c
   int32_t dtype, threads;
 };
 
+struct MergeProblem {  // kernels/dense_cpu.c
+  const void *rows, *row_max, *row_sum, *lowbit_out;
+  const void *k[3], *v[3];
+  int64_t k_stride[3][3], v_stride[3][3];
+  const void *fetched_valid, *window_len;
+  void *out, *lowbit_scale;
+  void *p[3];
+  int64_t batch, kv_heads, m, d, n[3];
+  int32_t dtype[3], threads;
+};
+
 struct RankProblem {  // kernels/rank_cpu.c
   const void *weights, *scale, *p_fetched, *fetched_pos, *p_window, *window_start, *upper, *excluded_pos,
       *excluded_valid;
@@ -61,10 +73,12 @@ struct LowbitProblem {  // kernels/lowbit_cpu.c
 
 using LinearKernel = int (*)(const LinearProblem *);
 using DenseKernel = int (*)(const DenseProblem *);
+using MergeKernel = int (*)(const MergeProblem *);
 using RankKernel = int (*)(const RankProblem *);
 using LowbitKernel = int (*)(const LowbitProblem *);
 LinearKernel linear_kernel = nullptr;
 DenseKernel dense_kernel = nullptr;
+MergeKernel merge_kernel = nullptr;
 RankKernel rank_kernel = nullptr;
 LowbitKernel lowbit_kernel = nullptr;
 
@@ -76,6 +90,9 @@ void check_exclusions(const char *op, const at::Tensor &excluded_pos, const at::
                         excluded_valid.scalar_type() == at::kBool,
                     op, ": excluded_pos must be (B, Hkv, E) int64 and excluded_valid bool of its shape");
 }
+
+// The C kernels' element types: float32, bfloat16, float16.
+int32_t dtype_code(at::ScalarType dtype) { return dtype == at::kFloat ? 0 : dtype == at::kBFloat16 ? 1 : 2; }
 
 at::Tensor quantized_linear(const at::Tensor &x_in, const at::Tensor &codes_in, const at::Tensor &scales_in,
                             const std::optional<at::Tensor> &zeros_in, int64_t group) {
@@ -124,12 +141,76 @@ at::Tensor dense_decode_attention(const at::Tensor &q_in, const at::Tensor &k_in
               "dense_decode_attention: input_pos must be (B, S) int64");
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), pos = input_pos_in.contiguous();
   at::Tensor out = at::empty(q.sizes(), q.options());
-  const int32_t code = dtype == at::kFloat ? 0 : dtype == at::kBFloat16 ? 1 : 2;
+  const int32_t code = dtype_code(dtype);
   const DenseProblem problem{q.data_ptr(), k.data_ptr(), v.data_ptr(), pos.data_ptr(), out.data_ptr(), b, h, hkv, s, d, t,
                              static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(d)))), code,
                              static_cast<int32_t>(at::get_num_threads())};
   TORCH_CHECK(dense_kernel(&problem) == 0, "dense_cpu.c rejected a problem that passed the checks");
   return out;
+}
+
+// The checks guard the kernel's reads and writes; kernels/dense_cpu.py's _check_merge states the whole contract.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_segments(
+    const at::Tensor &rows_in, const at::Tensor &row_max_in, const at::Tensor &row_sum_in, const at::Tensor &lowbit_out_in,
+    const at::Tensor &fetched_k, const at::Tensor &fetched_v, const at::Tensor &fetched_valid_in,
+    const at::Tensor &window_k, const at::Tensor &window_v, const at::Tensor &window_len_in, const at::Tensor &new_k,
+    const at::Tensor &new_v) {
+  TORCH_CHECK(merge_kernel, "merge_segments: the C kernel was not handed over");
+  TORCH_CHECK_VALUE(rows_in.dim() == 4 && rows_in.scalar_type() == at::kFloat, "merge_segments: rows must be (B, Hkv, M, D) float32");
+  const int64_t b = rows_in.size(0), h = rows_in.size(1), m = rows_in.size(2), d = rows_in.size(3);
+  TORCH_CHECK_VALUE(m >= 1 && m <= 64 && d >= 1 && d <= 256, "merge_segments: need 1 <= M <= 64 and 1 <= D <= 256");
+  for (const at::Tensor *x : {&row_max_in, &row_sum_in})
+    TORCH_CHECK_VALUE(x->sizes() == at::IntArrayRef({b, h, m}) && x->scalar_type() == at::kFloat,
+                      "merge_segments: row_max and row_sum must be (B, Hkv, M) float32");
+  TORCH_CHECK_VALUE(lowbit_out_in.sizes() == rows_in.sizes() && lowbit_out_in.scalar_type() == at::kFloat,
+                    "merge_segments: lowbit_out must be (B, Hkv, M, D) float32");
+  const at::Tensor *keys[3] = {&fetched_k, &window_k, &new_k}, *values[3] = {&fetched_v, &window_v, &new_v};
+  at::Tensor k[3], v[3];
+  for (int i = 0; i < 3; i++) {
+    const auto dtype = keys[i]->scalar_type();
+    TORCH_CHECK_VALUE(keys[i]->dim() == 4 && keys[i]->size(0) == b && keys[i]->size(1) == h && keys[i]->size(3) == d &&
+                          (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
+                          values[i]->sizes() == keys[i]->sizes() && values[i]->scalar_type() == dtype,
+                      "merge_segments: each segment's k and v must be (B, Hkv, N, D) float32, bfloat16 or float16 alike");
+    k[i] = keys[i]->stride(3) == 1 ? *keys[i] : keys[i]->contiguous();  // positions and heads may be strided
+    v[i] = values[i]->stride(3) == 1 ? *values[i] : values[i]->contiguous();
+  }
+  const int64_t s = new_k.size(2);
+  TORCH_CHECK_VALUE(s >= 1 && m % s == 0, "merge_segments: need S >= 1 new pairs and M a multiple of S");
+  TORCH_CHECK_VALUE(fetched_valid_in.sizes() == at::IntArrayRef({b, h, fetched_k.size(2)}) &&
+                        fetched_valid_in.scalar_type() == at::kBool,
+                    "merge_segments: fetched_valid must be (B, Hkv, N) bool");
+  TORCH_CHECK_VALUE(window_len_in.dim() == 1 && window_len_in.size(0) == b && window_len_in.scalar_type() == at::kLong,
+                    "merge_segments: window_len must be (B,) int64");
+  const at::Tensor rows = rows_in.contiguous(), row_max = row_max_in.contiguous(), row_sum = row_sum_in.contiguous(),
+                   lowbit_out = lowbit_out_in.contiguous(), fetched_valid = fetched_valid_in.contiguous(),
+                   window_len = window_len_in.contiguous();
+  at::Tensor out = at::empty({b, h, m, d}, rows.options()), lowbit_scale = at::empty({b, h, m, 1}, rows.options());
+  at::Tensor probs[3];
+  MergeProblem problem{rows.data_ptr(), row_max.data_ptr(), row_sum.data_ptr(), lowbit_out.data_ptr()};
+  for (int i = 0; i < 3; i++) {
+    probs[i] = at::empty({b, h, m, k[i].size(2)}, rows.options());
+    problem.k[i] = k[i].data_ptr();
+    problem.v[i] = v[i].data_ptr();
+    for (int j = 0; j < 3; j++) {
+      problem.k_stride[i][j] = k[i].stride(j);
+      problem.v_stride[i][j] = v[i].stride(j);
+    }
+    problem.p[i] = probs[i].data_ptr();
+    problem.n[i] = k[i].size(2);
+    problem.dtype[i] = dtype_code(k[i].scalar_type());
+  }
+  problem.fetched_valid = fetched_valid.data_ptr();
+  problem.window_len = window_len.data_ptr();
+  problem.out = out.data_ptr();
+  problem.lowbit_scale = lowbit_scale.data_ptr();
+  problem.batch = b;
+  problem.kv_heads = h;
+  problem.m = m;
+  problem.d = d;
+  problem.threads = static_cast<int32_t>(at::get_num_threads());
+  TORCH_CHECK(merge_kernel(&problem) == 0, "dense_cpu.c rejected a merge that passed the checks");
+  return {out, lowbit_scale, probs[0], probs[1], probs[2]};
 }
 
 // The checks guard the kernel's reads and writes; kernels/lowbit_cpu.py's _check states the whole contract.
@@ -235,6 +316,9 @@ void set_cpu_kernel(const std::string &name, int64_t address) {
   } else if (name == "dense_decode_attention") {
     first = dense_kernel == nullptr;
     dense_kernel = reinterpret_cast<DenseKernel>(address);
+  } else if (name == "merge_segments") {
+    first = merge_kernel == nullptr;
+    merge_kernel = reinterpret_cast<MergeKernel>(address);
   } else if (name == "top_positions") {
     first = rank_kernel == nullptr;
     rank_kernel = reinterpret_cast<RankKernel>(address);
@@ -250,6 +334,8 @@ void set_cpu_kernel(const std::string &name, int64_t address) {
     library->impl("quantized_linear", &quantized_linear);
   else if (name == "dense_decode_attention")
     library->impl("dense_decode_attention", &dense_decode_attention);
+  else if (name == "merge_segments")
+    library->impl("merge_segments", &merge_segments);
   else if (name == "top_positions")
     library->impl("top_positions", &top_positions);
   else

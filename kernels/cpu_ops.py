@@ -48,7 +48,8 @@ def _loaded() -> bool:
 
 
 def hand_over(op: str, function: ctypes._CFuncPtr) -> bool:
-    """Register the C++ implementation of `op` (quantized_linear, dense_decode_attention or top_positions) around the
+    """Register the C++ implementation of `op` (quantized_linear, dense_decode_attention, merge_segments,
+    lowbit_partial_attention or top_positions) around the
     C kernel `function`; False where it cannot be built (the Python implementation serves)."""
     if not _loaded():
         return False

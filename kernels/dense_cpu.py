@@ -18,8 +18,23 @@ nothing past it), and widens 16-bit elements in registers. It is the op
 (kernels/cpu_build.py); without gcc, or when the build fails, `available()` is False (with one
 warning) and the full cache keeps SDPA and FlexAttention. SPECACHE_NO_CPU_KERNEL=1 forces that.
 Results do not depend on the thread count. Inference only: no autograd formula.
+
+    merge_segments(rows, row_max, row_sum, lowbit_out, fetched_k, fetched_v, fetched_valid,
+                   window_k, window_v, window_len, new_k, new_v) -> (out, lowbit_scale, p_fetched, p_window, p_new)
+
+is SpeCache's other dense attention: the rows (B, Hkv, M, D) float32, already scaled, over its three
+16-bit segments (each (B, Hkv, N, D) float32, bfloat16 or float16: the fetched pairs, of which the
+valid slots (B, Hkv, N) count; the residual window, of which the first window_len[b] (B,) count;
+the S new pairs, of which row m sees 0 .. m % S), in one softmax with the low-bit pass, given as its
+row_max, row_sum (B, Hkv, M) and unnormalized output lowbit_out (B, Hkv, M, D). It returns the
+output (B, Hkv, M, D), the factor lowbit_scale (B, Hkv, M, 1) that turns the low-bit weights into
+probabilities, and each segment's probabilities (B, Hkv, M, N). `merge_segments_reference` (plain
+PyTorch: matmuls, masks, exp) is the spec. It runs twice per layer and step; the C function in
+dense_cpu.c replaces 3 to 6 small matmuls (MKL: several microseconds each) and the loops between
+them with one call.
 """
 import ctypes
+import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -73,20 +88,38 @@ class _Problem(ctypes.Structure):
     _fields_ += [("scale", ctypes.c_float), ("dtype", ctypes.c_int32), ("threads", ctypes.c_int32)]
 
 
+class _MergeProblem(ctypes.Structure):
+    """The C file's MergeProblem struct, field for field."""
+    _fields_ = [(name, ctypes.c_void_p) for name in ("rows", "row_max", "row_sum", "lowbit_out")]
+    _fields_ += [("k", ctypes.c_void_p * 3), ("v", ctypes.c_void_p * 3)]
+    _fields_ += [("k_stride", ctypes.c_int64 * 3 * 3), ("v_stride", ctypes.c_int64 * 3 * 3)]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("fetched_valid", "window_len", "out", "lowbit_scale")]
+    _fields_ += [("p", ctypes.c_void_p * 3)]
+    _fields_ += [(name, ctypes.c_int64) for name in ("batch", "kv_heads", "m", "d")] + [("n", ctypes.c_int64 * 3)]
+    _fields_ += [("dtype", ctypes.c_int32 * 3), ("threads", ctypes.c_int32)]
+
+
 def build(flags: tuple[str, ...] = cpu_build.FLAGS) -> Path:
     return cpu_build.build(SOURCE, flags)
 
 
 def load(path: Path) -> ctypes.CDLL:
-    return cpu_build.load(path, "dense_decode_attention", _Problem)
+    lib = cpu_build.load(path, "dense_decode_attention", _Problem)
+    lib.merge_segments.argtypes = [ctypes.POINTER(_MergeProblem)]
+    lib.merge_segments.restype = ctypes.c_int
+    return lib
 
 
 @lru_cache(maxsize=None)
 def _library() -> Optional[ctypes.CDLL]:
-    lib = cpu_build.build_and_load(SOURCE, "dense_decode_attention", _Problem,
-                                   "the CPU dense decode-attention kernel is unavailable, SDPA and FlexAttention serve")
-    if lib is not None:
-        cpu_ops.hand_over("dense_decode_attention", lib.dense_decode_attention)  # C++ dispatch where it builds
+    try:
+        lib = load(build())
+    except (RuntimeError, OSError) as error:
+        warnings.warn("specache: the CPU dense decode-attention kernel is unavailable, SDPA, FlexAttention and the "
+                      f"plain merge of SpeCache's segments serve ({error})")
+        return None
+    cpu_ops.hand_over("dense_decode_attention", lib.dense_decode_attention)  # C++ dispatch where it builds
+    cpu_ops.hand_over("merge_segments", lib.merge_segments)
     return lib
 
 
@@ -146,3 +179,126 @@ def dense_decode_attention(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor,
     if q.device.type == "cpu" and available():
         return torch.ops.specache.dense_decode_attention(q, k, v, input_pos, scale)
     return dense_decode_attention_reference(q, k, v, input_pos, scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# SpeCache's 16-bit segments merged with the low-bit pass
+# ---------------------------------------------------------------------------------------------
+
+MergeOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+def _check_merge(rows: Tensor, row_max: Tensor, row_sum: Tensor, lowbit_out: Tensor,
+                 segments: list[tuple[Tensor, Tensor]], fetched_valid: Tensor, window_len: Tensor) -> None:
+    """Raise ValueError unless the inputs have the layout in the module docstring."""
+    def fail(message: str):
+        raise ValueError(f"merge_segments: {message}")
+
+    if rows.dim() != 4 or rows.dtype != torch.float32:
+        fail(f"rows must be (B, Hkv, M, D) float32, got {tuple(rows.shape)} {rows.dtype}")
+    b, h, m, d = rows.shape
+    if not (1 <= m <= MAX_ROWS and 1 <= d <= MAX_HEAD_DIM):
+        fail(f"need 1 <= M <= {MAX_ROWS} and 1 <= D <= {MAX_HEAD_DIM}, got M = {m}, D = {d}")
+    for name, x, shape in (("row_max", row_max, (b, h, m)), ("row_sum", row_sum, (b, h, m)),
+                           ("lowbit_out", lowbit_out, (b, h, m, d))):
+        if x.shape != shape or x.dtype != torch.float32:
+            fail(f"{name} must be {shape} float32, got {tuple(x.shape)} {x.dtype}")
+    for name, (k, v) in zip(("fetched", "window", "new"), segments):
+        if k.dim() != 4 or k.shape[:2] != (b, h) or k.shape[3] != d or k.dtype not in DTYPES or v.shape != k.shape \
+                or v.dtype != k.dtype:
+            fail(f"{name}_k and {name}_v must be ({b}, {h}, N, {d}) float32, bfloat16 or float16 alike, got "
+                 f"{tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
+    s = segments[2][0].shape[2]
+    if s < 1 or m % s:
+        fail(f"need S >= 1 new pairs and M = {m} a multiple of S = {s}")
+    if fetched_valid.shape != (b, h, segments[0][0].shape[2]) or fetched_valid.dtype != torch.bool:
+        fail(f"fetched_valid must be ({b}, {h}, {segments[0][0].shape[2]}) bool, got {tuple(fetched_valid.shape)} "
+             f"{fetched_valid.dtype}")
+    if window_len.shape != (b,) or window_len.dtype != torch.int64:
+        fail(f"window_len must be ({b},) int64, got {tuple(window_len.shape)} {window_len.dtype}")
+    if any(x.device != rows.device for x in (row_max, row_sum, lowbit_out, fetched_valid, window_len, *segments[0],
+                                               *segments[1], *segments[2])):
+        fail("all tensors must be on one device")
+
+
+def merge_segments_reference(rows: Tensor, row_max: Tensor, row_sum: Tensor, lowbit_out: Tensor, fetched_k: Tensor,
+                             fetched_v: Tensor, fetched_valid: Tensor, window_k: Tensor, window_v: Tensor,
+                             window_len: Tensor, new_k: Tensor, new_v: Tensor) -> MergeOutputs:
+    """The module docstring's merge, by the log-sum-exp rule: matmuls, masks and exp."""
+    segments = [(fetched_k, fetched_v), (window_k, window_v), (new_k, new_v)]
+    _check_merge(rows, row_max, row_sum, lowbit_out, segments, fetched_valid, window_len)
+    device, m, s = rows.device, rows.shape[2], new_k.shape[2]
+    window_ok = torch.arange(window_k.shape[2], device=device) < window_len[:, None, None, None]  # (B, 1, 1, R)
+    new_ok = torch.arange(s, device=device) <= (torch.arange(m, device=device) % s)[:, None]  # (M, S)
+    scores = [(rows @ k.float().transpose(-1, -2)).masked_fill(~ok, float("-inf"))
+              for (k, _), ok in zip(segments, (fetched_valid.unsqueeze(2), window_ok, new_ok))]
+    # every row sees its own pair, so the maximum is finite
+    top = torch.stack([row_max] + [x.amax(-1) for x in scores if x.shape[-1]], -1).amax(-1, keepdim=True)
+    lowbit_scale = torch.exp(row_max.unsqueeze(-1) - top)  # 0 where nothing is low-bit yet
+    weights = [torch.exp(x - top) for x in scores]
+    total = row_sum.unsqueeze(-1) * lowbit_scale + sum(w.sum(-1, keepdim=True) for w in weights)
+    probs = [w / total for w in weights]
+    out = lowbit_out * (lowbit_scale / total) + sum(p @ v.float() for p, (_, v) in zip(probs, segments))
+    return out, lowbit_scale / total, *probs
+
+
+def run_merge_kernel(lib: ctypes.CDLL, rows: Tensor, row_max: Tensor, row_sum: Tensor, lowbit_out: Tensor,
+                     fetched_k: Tensor, fetched_v: Tensor, fetched_valid: Tensor, window_k: Tensor, window_v: Tensor,
+                     window_len: Tensor, new_k: Tensor, new_v: Tensor) -> MergeOutputs:
+    """Call the merge in `lib` (a `load`ed build) on CPU tensors."""
+    segments = [(fetched_k, fetched_v), (window_k, window_v), (new_k, new_v)]
+    _check_merge(rows, row_max, row_sum, lowbit_out, segments, fetched_valid, window_len)
+    if rows.device.type != "cpu":
+        raise ValueError(f"merge_segments: the C kernel takes CPU tensors, got {rows.device}")
+    b, h, m, d = rows.shape
+    segments = [tuple(x if x.stride(-1) == 1 else x.contiguous() for x in pair) for pair in segments]
+    rows, row_max, row_sum, lowbit_out, valid, window_len = (
+        x.contiguous() for x in (rows, row_max, row_sum, lowbit_out, fetched_valid, window_len))
+    out, lowbit_scale = torch.empty_like(rows), rows.new_empty(b, h, m, 1)
+    probs = [rows.new_empty(b, h, m, k.shape[2]) for k, _ in segments]
+    problem = _MergeProblem(rows.data_ptr(), row_max.data_ptr(), row_sum.data_ptr(), lowbit_out.data_ptr(),
+                            (ctypes.c_void_p * 3)(*(k.data_ptr() for k, _ in segments)),
+                            (ctypes.c_void_p * 3)(*(v.data_ptr() for _, v in segments)),
+                            (ctypes.c_int64 * 3 * 3)(*((ctypes.c_int64 * 3)(*k.stride()[:3]) for k, _ in segments)),
+                            (ctypes.c_int64 * 3 * 3)(*((ctypes.c_int64 * 3)(*v.stride()[:3]) for _, v in segments)),
+                            valid.data_ptr(), window_len.data_ptr(), out.data_ptr(), lowbit_scale.data_ptr(),
+                            (ctypes.c_void_p * 3)(*(p.data_ptr() for p in probs)), b, h, m, d,
+                            (ctypes.c_int64 * 3)(*(k.shape[2] for k, _ in segments)),
+                            (ctypes.c_int32 * 3)(*(DTYPES[k.dtype] for k, _ in segments)), torch.get_num_threads())
+    if lib.merge_segments(ctypes.byref(problem)) != 0:
+        raise RuntimeError("dense_cpu.c rejected a merge that passed the checks")
+    return out, lowbit_scale, *probs
+
+
+def _merge_op(*inputs: Tensor) -> MergeOutputs:
+    lib = _library()
+    if lib is None:  # called directly, where the kernel cannot run
+        return merge_segments_reference(*inputs)
+    return run_merge_kernel(lib, *inputs)
+
+
+_LIBRARY.define("merge_segments(Tensor rows, Tensor row_max, Tensor row_sum, Tensor lowbit_out, Tensor fetched_k, "
+                "Tensor fetched_v, Tensor fetched_valid, Tensor window_k, Tensor window_v, Tensor window_len, "
+                "Tensor new_k, Tensor new_v) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+_LIBRARY.impl("merge_segments", _merge_op, "CompositeExplicitAutograd")  # kernels/cpu_ops.cpp overrides it for CPU
+
+
+@torch.library.register_fake("specache::merge_segments")
+def _(rows, row_max, row_sum, lowbit_out, fetched_k, fetched_v, fetched_valid, window_k, window_v, window_len, new_k,
+      new_v):
+    _check_merge(rows, row_max, row_sum, lowbit_out, [(fetched_k, fetched_v), (window_k, window_v), (new_k, new_v)],
+                 fetched_valid, window_len)
+    b, h, m, _ = rows.shape
+    return (torch.empty_like(rows), rows.new_empty(b, h, m, 1),
+            *(rows.new_empty(b, h, m, k.shape[2]) for k in (fetched_k, window_k, new_k)))
+
+
+def merge_segments(rows: Tensor, row_max: Tensor, row_sum: Tensor, lowbit_out: Tensor, fetched_k: Tensor,
+                   fetched_v: Tensor, fetched_valid: Tensor, window_k: Tensor, window_v: Tensor, window_len: Tensor,
+                   new_k: Tensor, new_v: Tensor) -> MergeOutputs:
+    """As in the module docstring: the C kernel for CPU tensors when it is available, else the reference."""
+    inputs = (rows, row_max, row_sum, lowbit_out, fetched_k, fetched_v, fetched_valid, window_k, window_v, window_len,
+              new_k, new_v)
+    if rows.device.type == "cpu" and available():
+        return torch.ops.specache.merge_segments(*inputs)
+    return merge_segments_reference(*inputs)

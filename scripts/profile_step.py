@@ -12,9 +12,11 @@ summed over the steps and divided by them, goes into a part:
                  inductor's kernels and count under "other compiled kernels"
   full-cache attention   the full cache's decode attention (kernels/dense_cpu.c)
   low-bit read   SpeCache's pass over the 1-bit copy (kernels/lowbit_cpu.c)
+  16-bit pairs and merge   SpeCache's attention over its fetched pairs, window and new rows, merged
+                 with the low-bit pass (kernels/dense_cpu.c's merge_segments; matmuls elsewhere)
   choice and top-k   SpeCache's ranking of positions and top-k (kernels/rank_cpu.c; torch's topk elsewhere)
   gather         gather and indexing (SpeCache's fetch of pairs from the slow tier in RAM)
-  other compiled kernels   inductor's generated loops (norms, RoPE, the merge, masks, ...)
+  other compiled kernels   inductor's generated loops (norms, RoPE, masks, ...)
   other ops      the rest of torch's ops in the step
   dispatch       the median step's time less all of the above: Python, guards, op dispatch
 
@@ -40,6 +42,7 @@ PARTS = [
     ("weights", ("specache::quantized_linear", "aten::_weight_int8pack_mm", "specache::int4_matmul")),
     ("full-cache attention", ("specache::dense_decode_attention",)),
     ("low-bit read", ("specache::lowbit_partial_attention",)),
+    ("16-bit pairs and merge", ("specache::merge_segments", "aten::bmm")),
     ("choice and top-k", ("aten::topk", "specache::top_positions")),
     ("gather", ("aten::gather", "aten::index", "aten::index_select")),
 ]

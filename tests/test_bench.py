@@ -69,6 +69,9 @@ def test_profile_parts_name_the_kernels_and_leave_wrappers_to_dispatch():
     assert part_of("specache::top_positions") == "choice and top-k" == part_of("aten::topk")
     assert part_of("aten::gather") == "gather"
     assert part_of("graph_0_cpp_fused_add_mean_mul_pow_rsqrt_view_10") == "other compiled kernels"
-    assert part_of("aten::bmm") == "other ops" == part_of("aoti_torch_cpu_bmm_out")  # as the C++ wrapper calls it
+    assert part_of("specache::merge_segments") == "16-bit pairs and merge"
+    # aten::bmm as the C++ wrapper calls it: aoti_torch_cpu_bmm_out
+    assert part_of("aten::bmm") == "16-bit pairs and merge" == part_of("aoti_torch_cpu_bmm_out")
+    assert part_of("aten::mul") == "other ops"
     assert part_of("aoti_torch_cpu_gather_out") == "gather"
     assert part_of("Torch-Compiled Region: 0/0") == "" and part_of("TorchDynamo Cache Lookup") == ""

@@ -202,7 +202,7 @@ def test_gqa_top_k_ranks_by_the_groups_query_heads(how):
     q = torch.randn(b, n_kv * group_size, 2, d)
     rows = kernels.attention.query_rows(q, n_kv)
     part = kernels.attention.lowbit_part(rows, kv, segments)
-    merged = kernels.attention.merge_softmax(rows, part, segments, 2)
+    merged = kernels.attention.merge_softmax(rows, part, segments)
     weights = kernels.attention.over_query_heads(kernels.attention.row_position_weights(part, merged, segments, 2, 1),
                                                  how)
     quantized = torch.arange(t) < segments.quantized_len[:, None, None]
