@@ -63,7 +63,8 @@ PEER = [
      "run."),
     ("llama_cpp/profile", "SmolLM2-135M: where a step's time goes", "scripts/profile_step.py --lengths ...",
      "The same model and methods, a step split into parts by torch.profiler: the quantized Linears' kernel, the "
-     "full cache's attention, SpeCache's low-bit read, its choice of positions and top-k (one C op), gathers, "
+     "full cache's attention, SpeCache's low-bit read, its 16-bit pairs merged with it (one C op), its choice of "
+     "positions and top-k (one C op), gathers, "
      "inductor's loops, other ops, and dispatch (the unprofiled step less the parts)."),
     ("llama_cpp/batch/bench", "SmolLM2-135M: batches on a CPU", "scripts/bench.py --batch_sizes 1 4 8 ...",
      "Decode throughput (tok/s summed over the batch) of the full cache and SpeCache 1-bit at 4k with int8 "
