@@ -322,7 +322,8 @@ INLINE void segment_scores(const float *q, const void *keys, int64_t step, int32
         }
 }
 
-/* out[m][:] += sum over j < n of w[m][j] * value_j, for the n values at `values` (`step` apart), m < rows */
+/* out[m][:] += sum over j < n of w[m][j] * value_j, for the n values at `values` (`step` apart), m < rows;
+   dense attention's `mix` with strided values */
 INLINE void segment_mix(const void *values, int64_t step, int32_t dtype, int64_t n, int64_t rows, const float *w,
                         int64_t w_stride, float *out, const int64_t d) {
 #ifdef VECTOR
@@ -330,23 +331,19 @@ INLINE void segment_mix(const void *values, int64_t step, int32_t dtype, int64_t
         const int64_t blocks = d / 16, tile = blocks >= 16 ? 1 : 16 / blocks; /* rows whose sums fill 16 registers */
         for (int64_t m0 = 0; m0 < rows; m0 += tile) {
             const int64_t count = min64(tile, rows - m0);
-            for (int64_t c0 = 0; c0 < blocks; c0 += 16) { /* channels in blocks of 256 (one pass below 256) */
-                const int64_t cs = min64(16, blocks - c0);
-                __m512 acc[16];
-                for (int64_t r = 0; r < tile; r++)
-                    for (int64_t c = 0; c < cs; c++)
-                        acc[r * cs + c] = r < count ? _mm512_loadu_ps(out + (m0 + r) * d + 16 * (c0 + c)) : _mm512_setzero_ps();
-                for (int64_t j = 0; j < n; j++) {
-                    __m512 value[16];
-                    for (int64_t c = 0; c < cs; c++) value[c] = load16(values, dtype, j * step + 16 * (c0 + c));
-                    for (int64_t r = 0; r < tile; r++) { /* a whole tile, so that the sums stay in registers */
-                        const __m512 weight = _mm512_set1_ps(r < count ? w[(m0 + r) * w_stride + j] : 0.0f);
-                        for (int64_t c = 0; c < cs; c++) acc[r * cs + c] = _mm512_fmadd_ps(weight, value[c], acc[r * cs + c]);
-                    }
+            __m512 acc[16];
+            for (int64_t r = 0; r < count; r++)
+                for (int64_t c = 0; c < blocks; c++) acc[r * blocks + c] = _mm512_loadu_ps(out + (m0 + r) * d + 16 * c);
+            for (int64_t j = 0; j < n; j++) {
+                __m512 value[16];
+                for (int64_t c = 0; c < blocks; c++) value[c] = load16(values, dtype, j * step + 16 * c);
+                for (int64_t r = 0; r < count; r++) {
+                    const __m512 weight = _mm512_set1_ps(w[(m0 + r) * w_stride + j]);
+                    for (int64_t c = 0; c < blocks; c++) acc[r * blocks + c] = _mm512_fmadd_ps(weight, value[c], acc[r * blocks + c]);
                 }
-                for (int64_t r = 0; r < count; r++)
-                    for (int64_t c = 0; c < cs; c++) _mm512_storeu_ps(out + (m0 + r) * d + 16 * (c0 + c), acc[r * cs + c]);
             }
+            for (int64_t r = 0; r < count; r++)
+                for (int64_t c = 0; c < blocks; c++) _mm512_storeu_ps(out + (m0 + r) * d + 16 * c, acc[r * blocks + c]);
         }
         return;
     }
