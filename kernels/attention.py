@@ -177,9 +177,9 @@ def drop_from_lowbit(part: LowBitPart, kv: LowBitKV, positions: Tensor, valid: T
     row_sum = (part.row_sum - dropped.sum(-1)).clamp_min(0.0)
     # index_put, not scatter_add: torch.compile updates a buffer in place only for index_put (a scatter
     # copies the whole (B, Hkv, M, T) tensor first); invalid entries add 0, wherever they point
-    b, h = positions.shape[:2]
-    at = (torch.arange(b, device=index.device)[:, None, None, None], torch.arange(h, device=index.device)[:, None, None],
-          torch.arange(m, device=index.device)[:, None], index)
+    b, h, device = positions.shape[0], positions.shape[1], index.device
+    at = (torch.arange(b, device=device)[:, None, None, None], torch.arange(h, device=device)[:, None, None],
+          torch.arange(m, device=device)[:, None], index)
     weights = part.weights.index_put(at, -dropped, accumulate=True)
     return LowBitPart(weights, part.row_max, row_sum, out)
 
