@@ -319,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile_prefill", action="store_true", help="compile prefill too (dynamic shapes)")
     p.add_argument("--seed", type=int, default=1234, help="random seed for sampling")
     p.add_argument("--max_seq_length", type=int, default=None,
-                   help="cache length (default: longest prompt + max_new_tokens)")
+                   help="cache length (default: longest prompt + max_new_tokens; with --compile rounded up to a "
+                        "multiple of 1024, so that similar prompts reuse the compiled step)")
     p.add_argument("--json", action="store_true", help="print one JSON object with texts and metrics at the end")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     p.add_argument("--tp_timeout", type=float, default=300, metavar="SECONDS",
@@ -401,6 +402,19 @@ def log(*parts) -> None:
     print(*parts, file=sys.stderr)
 
 
+COMPILED_CAPACITY_STEP = 1024
+
+
+def cache_capacity(needed: int, compiled: bool, block_size: int) -> int:
+    """The cache's length for `needed` positions (the longest prompt and its new tokens). Compiled, it
+    is rounded up to a multiple of COMPILED_CAPACITY_STEP, though not past the model's context: each
+    capacity is a graph of its own, so prompts of similar length then reuse inductor's cached graph
+    (seconds) instead of compiling another (minutes with SpeCache's whole step)."""
+    if not compiled:
+        return needed
+    return max(needed, min(-(-needed // COMPILED_CAPACITY_STEP) * COMPILED_CAPACITY_STEP, block_size))
+
+
 def prepare(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, say: Callable[..., None]
             ) -> tuple[Transformer, Tokenizer, list[str], list[list[int]], int, object]:
     """The model (this rank's shard under torchrun), its tokenizer, the prompts as text and as tokens,
@@ -415,7 +429,8 @@ def prepare(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, 
 
     prompts = [tokenizer.encode_chat(p, args.system) if args.chat else tokenizer.encode(p) for p in prompts_text]
     longest = max(len(p) for p in prompts)
-    max_seq_length = args.max_seq_length or longest + args.max_new_tokens
+    max_seq_length = args.max_seq_length or cache_capacity(longest + args.max_new_tokens, args.compile,
+                                                           model.config.block_size)
     if longest >= max_seq_length:
         raise UserError(f"the prompt has {longest} tokens, which does not fit --max_seq_length {max_seq_length} "
                         "(it needs room for at least one new token); raise --max_seq_length")

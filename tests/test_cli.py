@@ -263,3 +263,27 @@ def test_full_16bit_reports_a_float16_cache(capsys, smollm2_checkpoint):
                              "0", "--max_new_tokens", "4")
     assert code == 0, err
     assert '"kv_dtype": "torch.float16"' in out  # SpeCache's 16-bit pair type beside float32
+
+
+def test_cache_capacity_rounds_only_compiled_steps():
+    """A compiled step is a graph per capacity: rounded up to a multiple of 1024 so that similar
+    prompts share one, never below what is needed nor past the model's context to get there."""
+    assert generate_module.cache_capacity(1500, False, 8192) == 1500
+    assert generate_module.cache_capacity(1500, True, 8192) == 2048
+    assert generate_module.cache_capacity(1024, True, 8192) == 1024
+    assert generate_module.cache_capacity(8000, True, 8192) == 8192
+    assert generate_module.cache_capacity(9000, True, 8192) == 9000
+
+
+@pytest.mark.parametrize("extra, expected", [([], "needed"), (["--compile"], 1024),
+                                             (["--compile", "--max_seq_length", "300"], 300)])
+def test_generate_sizes_the_cache_by_cache_capacity(monkeypatch, smollm2_checkpoint, extra, expected):
+    """generate.py's cache: what the prompt and new tokens need; with --compile rounded up; with
+    --max_seq_length as given."""
+    seen = []
+    monkeypatch.setattr(generate_module, "cache_from_args",
+                        lambda args, model, batch, capacity, *rest: seen.append(capacity))
+    args = generate_module.build_parser().parse_args(["--checkpoint", str(smollm2_checkpoint), "--prompt",
+                                                      "hello there", "--max_new_tokens", "5", *extra])
+    _, _, _, prompts, _, _ = generate_module.prepare(args, torch.device("cpu"), torch.float32, lambda *a: None)
+    assert seen == [len(prompts[0]) + 5 if expected == "needed" else expected]
