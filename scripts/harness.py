@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from caches import LOW_BIT_KINDS, equal_budget_tokens, make_cache, parse_method, specache_config  # noqa: E402
 from checkpoint import load_model, resolve_checkpoint  # noqa: E402
 from eviction import prompt_attention_mass  # noqa: E402
-from generate import GenerationResult, compile_decode, generate, prefill  # noqa: E402
+from generate import COMPILED_CAPACITY_STEP, GenerationResult, compile_decode, generate, prefill  # noqa: E402
 from model import Transformer, flex_attention_available, prompt_attention  # noqa: E402
 from specache import SpeCacheConfig  # noqa: E402
 from tokenizer import Tokenizer, get_tokenizer  # noqa: E402
@@ -88,7 +88,7 @@ class Runner:
         self.stats = stats  # SpeCache's diagnostics (recall, coverage), at the cost of extra passes
         self.stop_ids = frozenset(tokenizer.stop_ids)
         self.compiled = compile
-        self.capacity_step = 1024 if compile and round_capacity else 1
+        self.capacity_step = COMPILED_CAPACITY_STEP if compile and round_capacity else 1
         if compile:  # one compiled layer serves every method (split its graph if any method's step must),
             # or with `whole_step` on a CPU each method's whole step (minutes of compiling per method and capacity)
             device = model.tok_embeddings.weight.device
