@@ -1,8 +1,8 @@
-"""The KV caches the one generation loop (generate.generate) drives, and the registry that makes
-them by name.
+"""The KV caches the one generation loop (generate.generate) drives, plugged into model.py's
+Transformer, and the registry that makes them by name.
 
-A cache is an object with these methods (specache.SpeCache, eviction.EvictionCache and FullCache
-below; each also plugs a module into every layer's `attention.kv_cache`, see model.py):
+A cache is an object with these methods (FullCache and PluggedSpeCache below, and
+eviction.EvictionCache; each plugs a module into every layer's `attention.kv_cache`):
 
     begin(tokens, lengths, held)  a generation of the right-padded prompts starts: per-generation
                                   state is reset (prefill follows, through the model's layers, in
@@ -24,49 +24,108 @@ below; each also plugs a module into every layer's `attention.kv_cache`, see mod
                                   (`CausalPrompt.start` > 0: --prefill_chunk, a chat's next turn)
 
 Methods are named as the evaluation scripts and generate.py's --cache name them: `full` (K, V in
-the model's dtype) or `full-16bit`,
-`specache`, `specache-nospec`, `kivi` (bits and selection from options), or with the bits and an
-optional selection in the name (`specache-1bit`, `specache-2bit:paper`, `kivi-1bit`,
-`specache-nospec-1bit:split,sinks`), and the eviction baselines `streaming` and `h2o`.
+the model's dtype) or `full-16bit`, `specache`, `specache-nospec`, `kivi` (bits and selection from
+options), or with the bits and an optional selection in the name (`specache-1bit`,
+`specache-2bit:paper`, `kivi-1bit`, `specache-nospec-1bit:split,sinks`), and the eviction baselines
+`streaming` and `h2o`. A selection may name an oracle (`specache-1bit:oracle`, `:oracle=mass`):
+diagnostics, not a method (specache_stats.py).
 """
 import re
-from typing import Optional
+from dataclasses import replace
+from functools import partial
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
+from disk_tier import DiskFolder, DiskTier
 from eviction import EvictionCache, EvictionConfig, EvictionLayer, EvictionState
-from model import Transformer, create_causal_block_mask
-from selection import parse_select
-from kernels import dense_cpu
-from kernels.quant import sixteen_bit_dtype
-from specache import SpeCache, SpeCacheConfig, SpeCacheLayer, SpeCacheState
+from kernels import dense_cpu, lowbit_cpu, lowbit_triton, rank_cpu
+from model import FLEX_BLOCK_SIZE, KVCache, RingKVCache, Transformer
+from specache import (Method, Selection, SpeCache, SpeCacheConfig, SpeCacheLayer, SpeCacheState,
+                      sixteen_bit_dtype)
+from specache_stats import Diagnostics, cache_stats, step_bytes
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+except ImportError:  # torch without FlexAttention: the SDPA path still works
+    BlockMask = None
 
 KINDS = ("full", "specache", "specache-nospec", "kivi", "streaming", "h2o")
-NAMED_METHODS = ("full", "full-16bit", "specache-1bit", "specache-2bit", "specache-nospec-1bit", "specache-nospec-2bit",
-                 "kivi-1bit", "kivi-2bit", "streaming", "h2o")
+NAMED_METHODS = ("full", "full-16bit", "specache-1bit", "specache-2bit", "specache-nospec-1bit",
+                 "specache-nospec-2bit", "kivi-1bit", "kivi-2bit", "streaming", "h2o")
 LOW_BIT_KINDS = ("specache", "specache-nospec", "kivi")
+ORACLES = ("error", "mass")
+
+
+# --- the full cache --------------------------------------------------------------------------
+
+
+def flex_attention_available(device: Union[str, torch.device]) -> bool:
+    return BlockMask is not None and torch.device(device).type in ("cpu", "cuda")
+
+
+def causal_mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return q_idx >= kv_idx
+
+
+def create_causal_block_mask(max_seq_length: int, device: Union[str, torch.device]) -> "BlockMask":
+    """The one causal BlockMask of a generation; each step slices the rows it needs from it."""
+    return create_block_mask(causal_mask_mod, 1, 1, max_seq_length, max_seq_length, device=device,
+                             BLOCK_SIZE=FLEX_BLOCK_SIZE)
+
+
+def slice_block_mask(causal: "BlockMask", input_pos: Tensor) -> "BlockMask":
+    """Rows of the causal BlockMask for one query per sequence at positions `input_pos` (B, 1):
+    each sequence b takes the block row that holds its own position, so one mask serves a ragged
+    batch and no shape depends on the position (no recompiles as it moves)."""
+    rows = input_pos[:, 0] // causal.BLOCK_SIZE[0]
+    pos = input_pos[:, 0]
+
+    def pick(t: Tensor) -> Tensor:
+        return t[0, 0, rows].unsqueeze(1).unsqueeze(1)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx <= pos[b]
+
+    return BlockMask.from_kv_blocks(
+        pick(causal.kv_num_blocks), pick(causal.kv_indices), pick(causal.full_kv_num_blocks),
+        pick(causal.full_kv_indices), BLOCK_SIZE=causal.BLOCK_SIZE, mask_mod=mask_mod,
+        seq_lengths=(1, causal.seq_lengths[1]), compute_q_blocks=False)
+
+
+class KernelKVCache(KVCache):
+    """The full cache whose decode steps on a CPU read K and V through kernels/dense_cpu.c (up to
+    each row's position, 16-bit elements widened in registers); prompts, other masks and shapes
+    the kernel does not take go through KVCache's attention."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask) -> Tensor:
+        if mask is not None or not dense_cpu.takes(q, self.k_cache):
+            return super().forward(q, k, v, input_pos, mask)
+        k_all, v_all = self.update(input_pos, k, v)
+        return dense_cpu.dense_decode_attention(q.float(), k_all, v_all, input_pos).to(q.dtype)
 
 
 class FullCache:
-    """The full cache of model.py (a ring for sliding-window layers), K and V in the model's dtype or,
-    with `sixteen_bit`, in 16 bits (float16 beside a float32 model, as SpeCache's pairs); FlexAttention's
-    block mask for compiled decode when `use_flex` (on a CPU, decode reads the cache through
-    kernels/dense_cpu.c)."""
+    """The full cache of model.py (a ring for sliding-window layers), K and V in the model's dtype
+    or, with `sixteen_bit`, in 16 bits (float16 beside a float32 model, as SpeCache's pairs). On a
+    CPU, decode reads it through kernels/dense_cpu.c; elsewhere compiled decode uses FlexAttention's
+    block mask when `use_flex`."""
 
     graph_breaks = False
     whole_step = True
     chunks = True
 
-    def __init__(self, model: Transformer, batch_size: int, max_seq_length: int, use_flex: bool = False,
-                 sixteen_bit: bool = False):
-        self.kv_dtype = sixteen_bit_dtype(model.tok_embeddings.weight.dtype) if sixteen_bit else \
-            model.tok_embeddings.weight.dtype
-        model.setup_caches(batch_size, max_seq_length, self.kv_dtype)
+    def __init__(self, model: Transformer, batch_size: int, max_seq_length: int,
+                 use_flex: bool = False, sixteen_bit: bool = False):
+        model_dtype = model.tok_embeddings.weight.dtype
+        self.kv_dtype = sixteen_bit_dtype(model_dtype) if sixteen_bit else model_dtype
         device = model.tok_embeddings.weight.device
+        kernel = device.type == "cpu" and dense_cpu.available()
+        model.setup_caches(batch_size, max_seq_length, self.kv_dtype,
+                           kv_cache=KernelKVCache if kernel else KVCache)
         self.model = model
-        # a CPU's decode reads the cache through kernels/dense_cpu.c by position: no block mask needed
-        use_flex = use_flex and not (device.type == "cpu" and dense_cpu.available())
+        use_flex = use_flex and not kernel  # the kernel reads the cache by position: no block mask
         self.block_mask = create_causal_block_mask(model.max_seq_length, device) if use_flex else None
 
     def begin(self, tokens: Tensor, lengths: Tensor, held: int = 0) -> None:
@@ -80,7 +139,9 @@ class FullCache:
         pass
 
     def step(self, model: Transformer, token: Tensor, pos: Tensor) -> Tensor:
-        return model(token, pos, model.make_mask(pos, self.block_mask))
+        if self.block_mask is None:
+            return model(token, pos)
+        return model(token, pos, slice_block_mask(self.block_mask, pos))
 
     def sampled(self, token: Tensor) -> None:
         pass
@@ -95,68 +156,207 @@ class FullCache:
         return {"cache": "full", "kv_dtype": str(self.kv_dtype)}
 
 
-def full_cache_step_bytes(model: Transformer, positions: list[int], element_size: Optional[int] = None) -> int:
+def full_cache_step_bytes(model: Transformer, positions: list[int],
+                          element_size: Optional[int] = None) -> int:
     """KV bytes a full-cache decode step reads when its sequences hold `positions` tokens each:
     full-attention layers read every position, sliding-window layers their whole ring (elements of
     `element_size` bytes, default the model's)."""
     c = model.config
-    per_layer_position = 2 * c.n_local_heads * c.head_dim * (element_size or model.tok_embeddings.weight.element_size())
+    element_size = element_size or model.tok_embeddings.weight.element_size()
+    per_layer_position = 2 * c.n_local_heads * c.head_dim * element_size
     windows = [c.window(i) for i in range(c.n_layer)]
     return per_layer_position * sum(n if w is None else w for w in windows for n in positions)
+
+
+# --- SpeCache --------------------------------------------------------------------------------
+
+
+def accelerate_specache() -> None:
+    """specache.py's ops run on the C kernels (CPUs) and the Triton kernels (GPUs) where those
+    build: registered once per process, before anything compiles a step."""
+    lowbit_cpu.register()
+    rank_cpu.register()
+    dense_cpu.register_merge()
+    lowbit_triton.register()
+
+
+class PluggedSpeCache(SpeCache):
+    """specache.SpeCache in every full-attention layer of `model` (a 16-bit ring in the fast tier
+    in each sliding-window layer), for `batch_size` sequences of up to `max_seq_length` positions,
+    the kernels registered. `slow_tier`: "ram", or "disk" (CPUs only: a file per layer in a fresh
+    folder under `slow_tier_dir`, disk_tier.py). `probe`: diagnostics (specache_stats.py)."""
+
+    chunks = True  # a prompt's chunk reads its history from the slow tier (KIVI: the low-bit copy)
+
+    def __init__(self, model: Transformer, batch_size: int, max_seq_length: int,
+                 config: SpeCacheConfig, slow_tier: str = "ram", slow_tier_dir: Optional[str] = None,
+                 probe: Optional[Diagnostics] = None):
+        c, layers = model.config, model.layers
+        if all(layer.attention.window is not None for layer in layers):
+            raise ValueError("every layer of this model attends over a sliding window only, which "
+                             "stays in the fast tier whole: SpeCache has nothing to offload; use "
+                             "the full cache")
+        device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
+        if slow_tier not in ("ram", "disk"):
+            raise ValueError(f"the slow tier is ram or disk, got {slow_tier!r}")
+        if slow_tier == "disk" and device.type != "cpu":
+            raise ValueError("--slow_tier disk is for CPU-only machines: beside a GPU the slow tier "
+                             "is host RAM")
+        self.folder = DiskFolder(slow_tier_dir) if slow_tier == "disk" else None
+        if self.folder is not None:
+            disk = partial(DiskTier, folder=self.folder)
+            config = replace(config, placement=replace(config.placement, slow_tier=disk))
+        accelerate_specache()
+        full = sum(layer.attention.window is None for layer in layers)
+        super().__init__(config, full, c.n_head, c.n_local_heads, c.head_dim, batch_size,
+                         max_seq_length, device, dtype, probe)
+        pair_dtype = config.placement.pair_dtype_for(dtype)
+        ours = iter(self.layers)
+        for layer in layers:
+            window = layer.attention.window
+            layer.attention.kv_cache = next(ours) if window is None else RingKVCache(
+                batch_size, window, c.n_local_heads, c.head_dim, pair_dtype, device)
+        self.rings = [layer.attention.kv_cache for layer in layers
+                      if isinstance(layer.attention.kv_cache, RingKVCache)]
+        model.setup_rope(self.capacity + 1)  # the speculative row sits one past the last real one
+        model.max_batch_size, model.max_seq_length = batch_size, self.capacity
+        self.model = model
+        # In a CPU's RAM the tiers move pairs inside each layer's step, and a step is one compiled
+        # pass of the model; beside a GPU and from the disk, pairs move in the background, handed
+        # over at graph breaks around each layer.
+        self.whole_step = device.type == "cpu" and slow_tier == "ram"
+        self.graph_breaks = not self.whole_step
+
+    def begin(self, tokens: Tensor, lengths: Tensor, held: int = 0) -> None:
+        if held and self.folder is not None and self.folder.path is None:
+            raise ValueError("the slow tier's files went with the last generation (finish without "
+                             "keep)")
+        if self.folder is not None and not held:
+            self.folder.open()  # a fresh folder of empty files
+        super().begin(tokens, lengths, held)
+
+    def ingest(self, recorded: list[tuple[Tensor, Tensor, Optional[list[Tensor]]]]) -> None:
+        """Each layer's prompt K, V from a prefill done elsewhere (scripts/harness.py), after
+        `begin`."""
+        lengths = torch.tensor(self.state.held(), device=self.device)
+        for layer, (k, v, _) in zip(self.model.layers, recorded):
+            cache = layer.attention.kv_cache
+            if isinstance(cache, RingKVCache):
+                cache.ingest_prompt(k, v, lengths)
+            else:
+                cache.ingest_prompt(k, v)
+
+    def finish(self, keep: bool = False) -> None:
+        """The generation ended, or failed: the last prefetch has landed; the disk's files go
+        unless `keep`."""
+        try:
+            super().finish(keep)
+        finally:
+            if self.folder is not None and not keep:
+                self.folder.close()
+
+    def step_bytes(self, positions: list[int]) -> int:
+        return step_bytes(self, positions)
+
+    def stats(self, steps: int) -> dict:
+        return cache_stats(self, steps)
+
+
+# --- by name ---------------------------------------------------------------------------------
 
 
 def parse_method(method: str) -> tuple[str, Optional[int], Optional[str]]:
     """(kind, bits or None, selection or None) of a method name (see the module docstring)."""
     base, _, select = method.partition(":")
     named = re.fullmatch(r"(specache|specache-nospec|kivi)-([12])bit|(full)-(16)bit", base)
-    kind, bits = (named.group(1) or named.group(3), int(named.group(2) or named.group(4))) if named else (base, None)
+    if named:
+        kind, bits = named.group(1) or named.group(3), int(named.group(2) or named.group(4))
+    else:
+        kind, bits = base, None
     if kind not in KINDS or (select and kind not in LOW_BIT_KINDS):
         raise ValueError(f"unknown method {method!r}: use one of {', '.join(NAMED_METHODS)}, or "
-                         f"{', '.join(LOW_BIT_KINDS)} with the bits as an option; SpeCache and KIVI methods take "
-                         "a selection after a colon (see --specache_select)")
+                         f"{', '.join(LOW_BIT_KINDS)} with the bits as an option; SpeCache and "
+                         "KIVI methods take a selection after a colon (see --specache_select)")
     if select:
-        parse_select(select)
+        split_oracle(select)
     return kind, bits, select or None
 
 
-def specache_config(kind: str, bits: Optional[int] = None, select: Optional[str] = None, topk: int = 64,
-                    **options) -> SpeCacheConfig:
-    """The SpeCacheConfig of a low-bit kind: SpeCache (speculative or not) with our selection unless
-    `select` names another, or KIVI (nothing fetched) with the paper's levels unless it names others.
-    `options`: other SpeCacheConfig fields (group, residual, stats, overlap_fetch, pair_dtype)."""
-    config = SpeCacheConfig(bits=bits or 1, topk=0 if kind == "kivi" else topk, speculative=kind == "specache",
-                            **options)
-    return config.with_select(select or ("paper" if kind == "kivi" else "default"))
+def split_oracle(select: str) -> tuple[Selection, Optional[str]]:
+    """A --specache_select value's selection, and the oracle it names ("error" or "mass") or None.
+    The oracle chooses all k pairs within the step (split=1) from the real row's exact scores."""
+    oracle, rest = None, []
+    for item in filter(None, (part.strip() for part in select.split(","))):
+        name, _, value = item.partition("=")
+        if name == "oracle":
+            oracle = value or "error"
+            if oracle not in ORACLES:
+                raise ValueError(f"oracle must be error or mass, got {oracle!r}")
+        else:
+            rest.append(item)
+    selection = Selection.parse(",".join(rest))
+    return (selection, None) if oracle is None else (replace(selection, real_share=1.0), oracle)
+
+
+def specache_config(kind: str, bits: Optional[int] = None, select: Optional[str] = None,
+                    topk: int = 64, group: int = 64, residual: int = 64,
+                    pair_dtype: Optional[torch.dtype] = None, overlap_fetch: bool = True
+                    ) -> tuple[SpeCacheConfig, Optional[str]]:
+    """The SpeCacheConfig of a low-bit kind, and the oracle its selection names: SpeCache
+    (speculative or not) with our selection unless `select` names another, or KIVI (nothing
+    fetched) with the paper's levels unless it names others."""
+    method = Method(bits=bits or 1, group=group, residual=residual,
+                    topk=0 if kind == "kivi" else topk, speculative=kind == "specache")
+    selection, oracle = split_oracle(select or ("paper" if kind == "kivi" else "default"))
+    placement = SpeCacheConfig().placement
+    placement = replace(placement, pair_dtype=pair_dtype, overlap_fetch=overlap_fetch)
+    return SpeCacheConfig(method, selection, placement), oracle
 
 
 def equal_budget_tokens(model: Transformer, capacity: int, config: SpeCacheConfig) -> int:
-    """The eviction budget (tokens per layer and KV head) whose 16-bit pairs take the fast-tier bytes
-    of a SpeCache layer with `config` at this capacity."""
+    """The eviction budget (tokens per layer and KV head) whose 16-bit pairs take the fast-tier
+    bytes of a SpeCache layer with `config` at this capacity."""
     c = model.config
-    dtype = config.pair_dtype_for(model.tok_embeddings.weight.dtype)
-    capacity = -(-capacity // config.group) * config.group
+    dtype = config.placement.pair_dtype_for(model.tok_embeddings.weight.dtype)
+    capacity = -(-capacity // config.method.group) * config.method.group
     meta = torch.device("meta")  # sizes only: nothing is allocated
-    state = SpeCacheState(config, 1, capacity, meta, c.head_dim, dtype, c.n_head // c.n_local_heads)
-    layer = SpeCacheLayer(state, c.n_head, c.n_local_heads, c.head_dim, dtype, meta, executor=None)
-    one_slot = EvictionLayer(EvictionState(EvictionConfig("h2o", budget=1), 1), c.n_local_heads, c.head_dim, dtype, meta)
+    query_heads = c.n_head // c.n_local_heads
+    state = SpeCacheState(config, 1, capacity, meta, c.head_dim, dtype, query_heads)
+    layer = SpeCacheLayer(state, 0, c.n_head, c.n_local_heads, c.head_dim, dtype, meta,
+                          make_tier=lambda spec: None)
+    one_slot = EvictionLayer(EvictionState(EvictionConfig("h2o", budget=1), 1), c.n_local_heads,
+                             c.head_dim, dtype, meta)
     return layer.fast_tier_bytes() // one_slot.fast_tier_bytes()
 
 
 def make_cache(method: str, model: Transformer, batch_size: int, capacity: int, *, bits: int = 1,
                select: Optional[str] = None, topk: int = 64, budget_tokens: Optional[int] = None,
-               budget_bits: int = 1, sink_tokens: int = 4, use_flex: bool = False, **options):
-    """The cache `method` names, set up in `model` for `batch_size` sequences of `capacity` positions.
+               budget_bits: int = 1, sink_tokens: int = 4, use_flex: bool = False,
+               stats: bool = False, slow_tier: str = "ram", slow_tier_dir: Optional[str] = None,
+               **options):
+    """The cache `method` names, set up in `model` for `batch_size` sequences of `capacity`
+    positions.
 
-    Bits and a selection in the name win over `bits` and `select`. SpeCache and KIVI take `topk` and
-    SpeCacheConfig fields as `options`; the eviction baselines keep `budget_tokens` per layer and KV
-    head (default: as many as fit in SpeCache's fast-tier bytes at `budget_bits` bits at this
-    capacity) and StreamingLLM `sink_tokens` sinks; the full cache uses FlexAttention with `use_flex`.
+    Bits and a selection in the name win over `bits` and `select`. SpeCache and KIVI take `topk`,
+    `stats` (the diagnostics), the slow tier, and specache_config's `options` (group, residual,
+    pair_dtype, overlap_fetch); the eviction baselines keep `budget_tokens` per layer and KV head
+    (default: as many as fit in SpeCache's fast-tier bytes at `budget_bits` bits at this
+    capacity) and StreamingLLM `sink_tokens` sinks; the full cache uses FlexAttention with
+    `use_flex`.
     """
     kind, named_bits, named_select = parse_method(method)
     if kind == "full":
-        return FullCache(model, batch_size, capacity, use_flex, sixteen_bit=(named_bits or bits) == 16)
+        return FullCache(model, batch_size, capacity, use_flex,
+                         sixteen_bit=(named_bits or bits) == 16)
     if kind in ("streaming", "h2o"):
-        budget = budget_tokens or equal_budget_tokens(model, capacity, SpeCacheConfig(bits=budget_bits, topk=topk))
+        budget_config = SpeCacheConfig(Method(bits=budget_bits, topk=topk))
+        budget = budget_tokens or equal_budget_tokens(model, capacity, budget_config)
         return EvictionCache(model, batch_size, capacity, EvictionConfig(kind, budget, sink_tokens))
-    config = specache_config(kind, named_bits or bits, named_select or select, topk, **options)
-    return SpeCache(model, batch_size, capacity, config)
+    config, oracle = specache_config(kind, named_bits or bits, named_select or select, topk,
+                                     **options)
+    probe = None
+    if stats or oracle:
+        c, device = model.config, model.tok_embeddings.weight.device
+        full_layers = sum(c.window(i) is None for i in range(c.n_layer))
+        probe = Diagnostics(full_layers, c.n_local_heads, device, oracle, observe=stats)
+    return PluggedSpeCache(model, batch_size, capacity, config, slow_tier, slow_tier_dir, probe)

@@ -19,7 +19,7 @@ import torch
 
 from checkpoint import UserError, load_model, load_tokenizer, resolve_checkpoint
 from disk_tier import SlowTierError
-from generate import (GenerationResult, TextStream, compile_decode, generate, log, peak_memory_bytes, run_command,
+from generate import (GenerateOptions, GenerationResult, TextStream, compile_decode, generate, log, peak_memory_bytes, run_command,
                       validate_generation_args)
 from options import (EVICTION_CACHES, add_cache_arguments, add_model_arguments, cache_from_args, cache_summary,
                      context_length, model_dtype, pick_device, validate_cache_args)
@@ -75,10 +75,11 @@ def answer(model, cache, tokenizer, prompt: list[int], conversation: Conversatio
     previous = signal.signal(signal.SIGINT, lambda signum, frame: stopped.append(True))
     stream = TextStream(tokenizer, frozenset(tokenizer.stop_ids), hide_stop=True)
     try:
+        options = GenerateOptions(prefill_chunk=args.prefill_chunk, held=conversation.held, keep=True,
+                                  keep_going=lambda: not stopped)
         result = generate(model, cache, [prompt], min(args.max_new_tokens, capacity - conversation.held - len(prompt)),
-                          stop_ids=frozenset(tokenizer.stop_ids), temperature=args.temperature, top_k=args.top_k,
-                          callback=stream, keep_going=lambda: not stopped, prefill_chunk=args.prefill_chunk,
-                          held=conversation.held, keep=True)
+                          stop_ids=frozenset(tokenizer.stop_ids), callback=stream, options=options,
+                          temperature=args.temperature, top_k=args.top_k)
         conversation.answered(prompt, result)
     finally:
         signal.signal(signal.SIGINT, previous)

@@ -43,7 +43,7 @@ from typing import NamedTuple, NoReturn, Optional
 import torch
 from torch import Tensor
 
-from offload import held_match
+from specache import Kappa, TierSpec, held_match
 
 # Reads in flight: this box's virtio disk did 12k random 4 KiB reads/s with one, about 50k with 16.
 IO_THREADS = 16
@@ -182,14 +182,13 @@ def _gather(tier: "DiskTier", rows: Tensor, out: Tensor) -> None:
 
 
 class DiskTier:
-    """The complete 16-bit K and V of one layer in a file of `folder`; `shape` (B, Hkv, T, D).
-    `slots`: the layer's fast-tier views that the prefetch fills (fetched_k, fetched_v, fetched_pos,
-    fetched_valid, kappa_pos, kappa_valid), or None without one."""
+    """A specache.SlowTier: the complete 16-bit K and V of one layer (TierSpec.shape (B, Hkv, T,
+    D)) in a file of `folder`."""
 
-    def __init__(self, shape: tuple, dtype: torch.dtype, slots: Optional[tuple], folder: DiskFolder, reuse: bool):
-        self.batch, self.n_kv_heads, self.capacity, self.head_dim = shape
-        self.dtype, self.slots, self.folder, self.reuse = dtype, slots, folder, reuse
-        self.position_bytes = self.n_kv_heads * 2 * self.head_dim * dtype.itemsize
+    def __init__(self, spec: TierSpec, folder: DiskFolder):
+        self.batch, self.n_kv_heads, self.capacity, self.head_dim = spec.shape
+        self.spec, self.dtype, self.folder, self.reuse = spec, spec.dtype, folder, spec.reuse
+        self.position_bytes = self.n_kv_heads * 2 * self.head_dim * spec.dtype.itemsize
         self.fd: Optional[int] = None
         self.pending: Optional[PendingRead] = None
         self.held: dict[str, Optional[tuple]] = {"prefetch": None, "picks": None}
@@ -231,9 +230,6 @@ class DiskTier:
         except OSError as error:
             self.folder.fail(error, "writing")
 
-    def store(self, positions: Tensor, k: Tensor, v: Tensor) -> None:
-        pass  # the real rows' pairs are written after the layer (after_layer), outside the compiled step
-
     # --- reads ---------------------------------------------------------------------------------
 
     def start_read(self, positions: Tensor, valid: Tensor, kind: str) -> PendingRead:
@@ -244,8 +240,7 @@ class DiskTier:
         reused, source = torch.zeros_like(valid), None
         held = self.held[kind] if self.reuse else None
         if held is not None and held[0].shape == positions.shape:
-            match = held_match(positions, held[0], held[1])
-            reused, source = valid & match.any(-1), match.to(torch.uint8).argmax(-1)
+            reused, source = held_match(positions, valid, held[0], held[1])
         need = valid & ~reused
         staged, futures = [], []
         for b in range(self.batch):
@@ -294,11 +289,7 @@ class DiskTier:
         """In the step: the pairs at positions (B, Hkv, K), read and waited for now."""
         return read_now(self, positions, valid)
 
-    def prefetch(self, positions: Tensor, valid: Tensor, buffers: tuple[Tensor, Tensor, Tensor, Tensor],
-                 slots: slice) -> None:
-        pass  # queued after the layer (after_layer), read in the background
-
-    def read_range(self, first: int, last: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    def read_range(self, first: int, last: int) -> tuple[Tensor, Tensor]:
         """Every sequence's pairs at positions [first, last), (B, Hkv, last - first, D) each: one
         sequential read per sequence (a prefill on top of what the cache holds reads its history so;
         the map's reads would go a page at a time, without readahead)."""
@@ -317,35 +308,46 @@ class DiskTier:
         pairs = rows.permute(3, 0, 2, 1, 4)  # (2, B, Hkv, N, D)
         return pairs[0], pairs[1]
 
-    def keys_on(self, device: torch.device) -> Tensor:
+    def keys(self) -> Tensor:
         """Every key (B, Hkv, T, D), read whole (for the diagnostics only)."""
-        return read_all_keys(self).to(device)
+        return read_all_keys(self)
 
-    # --- the hand-offs around a layer -----------------------------------------------------------
+    # --- the hand-offs around a layer's pass ------------------------------------------------------
 
-    def before_layer(self) -> None:
-        """kappa_t's pairs land in the layer's prefetch slots."""
-        pending, self.pending = self.pending, None
-        if pending is None or self.fd is None:
-            return
-        k, v = self.finish_read(pending, "prefetch")
-        fetched_k, fetched_v, fetched_pos, fetched_valid = self.slots[:4]
-        fetched_k.copy_(k)
-        fetched_v.copy_(v)
-        fetched_pos.copy_(pending.positions)
-        fetched_valid.copy_(pending.valid)
+    def before_step(self) -> None:
+        land(self)
 
-    def after_layer(self, window_k: Tensor, window_v: Tensor, quantized_len: list[int], window_len: list[int],
-                    kept: bool, prefetched: bool, overlap: bool) -> None:
-        """After the layer's step: the real rows' pairs (the windows' newest slots) are written; the
-        reads of kappa_{t+1} are queued (and with `overlap` False, waited for)."""
-        if kept:
-            for b, (lq, r) in enumerate(zip(quantized_len, window_len)):
-                self.write(b, lq + r, window_k[b, :, r: r + 1], window_v[b, :, r: r + 1])
-        if prefetched and self.slots is not None:
-            self.pending = self.start_read(self.slots[4], self.slots[5], "prefetch")
-            if not overlap:
-                self.before_layer()
+    def after_step(self, new_k: Optional[Tensor], new_v: Optional[Tensor],
+                   kappa: Optional[Kappa]) -> None:
+        leave_layer(self, new_k, new_v, kappa)
+
+
+@torch.compiler.disable
+def land(tier: DiskTier) -> None:
+    """kappa_t's pairs land in the layer's prefetch slots."""
+    pending, tier.pending = tier.pending, None
+    if pending is None or tier.fd is None:
+        return
+    k, v = tier.finish_read(pending, "prefetch")
+    slots = tier.spec.slots
+    slots.k[:, :, slots.where] = k
+    slots.v[:, :, slots.where] = v
+    slots.pos[:, :, slots.where] = pending.positions
+    slots.valid[:, :, slots.where] = pending.valid
+
+
+@torch.compiler.disable
+def leave_layer(tier: DiskTier, new_k: Optional[Tensor], new_v: Optional[Tensor],
+                kappa: Optional[Kappa]) -> None:
+    """After the layer's pass: the real rows' pairs are written; the reads of kappa_{t+1} are
+    queued (and without overlap, waited for)."""
+    if new_k is not None:
+        for b, position in enumerate(tier.spec.state.host_next_position()):
+            tier.write(b, position, new_k[b, :, None], new_v[b, :, None])
+    if kappa is not None:
+        tier.pending = tier.start_read(kappa.pos, kappa.valid, "prefetch")
+        if not tier.spec.overlap:
+            land(tier)
 
 
 @torch.compiler.disable

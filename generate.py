@@ -25,7 +25,8 @@ from torch import Tensor
 
 from checkpoint import UserError, load_model, load_tokenizer, resolve_checkpoint
 from disk_tier import SlowTierError
-from model import CausalPrompt, Transformer, flex_attention_available
+from caches import flex_attention_available
+from model import CausalPrompt, Transformer
 from options import (add_cache_arguments, add_model_arguments, cache_from_args, cache_summary, model_dtype, pick_device,
                      validate_cache_args)
 from quantize import Int4Linear, Int8Linear
@@ -177,37 +178,48 @@ def _sync(device: torch.device) -> None:
 STOP_CHECK_EVERY = 8  # decode steps between the host's looks at whether every sequence has stopped
 
 
+@dataclass(frozen=True)
+class GenerateOptions:
+    """How a generation fits its caller, beyond the prompts and sampling (generate's defaults serve
+    generate.py itself)."""
+
+    prefill_chunk: Optional[int] = None  # prefill takes at most that many positions per pass
+    compile_prefill: bool = False  # prefill through torch.compile (dynamic shapes)
+    # A conversation (chat.py) goes on in the same cache: `keep` leaves what the cache holds in
+    # place at the end (the prompt and every new token but the last, which the next prompt starts
+    # with), and the next call's `held` says how many tokens that is. Both are for one sequence,
+    # whose stop is then checked at every step (so no token past it enters the cache).
+    held: int = 0
+    keep: bool = False
+    # The caller has begun the cache and ingested the prompts (a prefill shared by several caches,
+    # scripts/harness.py): decoding starts from these first tokens (B, 1)
+    first_token: Optional[Tensor] = None
+    # asked before each step (a host-side check, no device sync): False ends the batch there
+    # (serve.py, when every request in it has what it wants or has gone)
+    keep_going: Callable[[], bool] = lambda: True
+
+
 @torch.no_grad()
 def generate(model: Transformer, cache, prompts: list[list[int]], max_new_tokens: int, *,
-             stop_ids: frozenset = frozenset(), temperature: float = 0.0, top_k: Optional[int] = None,
-             compile_prefill: bool = False, callback: Callable[[Tensor], None] = lambda tokens: None,
-             first_token: Optional[Tensor] = None, keep_going: Callable[[], bool] = lambda: True,
-             prefill_chunk: Optional[int] = None, held: int = 0, keep: bool = False) -> GenerationResult:
+             stop_ids: frozenset = frozenset(), callback: Callable[[Tensor], None] = lambda tokens: None,
+             options: GenerateOptions = GenerateOptions(), **sampling) -> GenerationResult:
     """Generate up to `max_new_tokens` for each prompt (a ragged batch) with `cache` (caches.py:
-    a cache set up for len(prompts) sequences; `make_cache` names them all).
+    a cache set up for len(prompts) sequences; `make_cache` names them all), sampling with
+    `sampling` (temperature, top_k: see `sample`; default greedy).
 
     Prefill runs the prompts through the model (each layer's cache takes them in), then the cache
     bootstraps, then each decode step gives the real tokens' logits and the sampled tokens go back
     to the cache. `callback` receives each step's new tokens (B, 1). Sequences that emit a stop id
     are done; the host looks every STOP_CHECK_EVERY steps and ends the batch when all are (the
-    tokens past a stop are cut), so the loop waits on the device only then. With `first_token`
-    (B, 1), the caller has begun the cache and ingested the prompts (a prefill shared by several
-    caches, see scripts/harness.py) and decoding starts from it. `keep_going` is asked before each
-    step (a host-side check, no device sync): False ends the batch there (serve.py, when every
-    request in it has what it wants or has gone).
-
-    A conversation (chat.py) goes on in the same cache: `keep` leaves what the cache holds in place
-    at the end (the prompt and every new token but the last, which the next prompt starts with),
-    and the next call's `held` says how many tokens that is. Both are for one sequence, whose stop
-    is then checked at every step (so no token past it enters the cache). `prefill_chunk`: prefill
-    takes at most that many positions per pass (`prefill`).
+    tokens past a stop are cut), so the loop waits on the device only then.
     """
     device = model.tok_embeddings.weight.device
     tokens, lengths = pad_prompts(prompts, device)
-    sampling = dict(temperature=temperature, top_k=top_k)
+    sampling = dict(dict(temperature=0.0, top_k=None), **sampling)
+    held, keep, first_token = options.held, options.keep, options.first_token
     if (held or keep) and len(prompts) != 1:
         raise ValueError("a conversation goes on one sequence at a time (held, keep)")
-    if (held or prefill_chunk) and not cache.chunks:
+    if (held or options.prefill_chunk) and not cache.chunks:
         raise ValueError("this cache takes each prompt in one piece, from position 0: no chunked prefill and no "
                          "continued conversation")
     try:
@@ -217,8 +229,8 @@ def generate(model: Transformer, cache, prompts: list[list[int]], max_new_tokens
             real = first_token
         else:
             cache.begin(tokens, lengths, held)
-            chunked = dict(start=held, chunk=prefill_chunk, **sampling)
-            if compile_prefill:
+            chunked = dict(start=held, chunk=options.prefill_chunk, **sampling)
+            if options.compile_prefill:
                 real = prefill(model, tokens, lengths, forward=torch.compile(model, fullgraph=True, dynamic=True),
                                **chunked)
             else:
@@ -240,7 +252,7 @@ def generate(model: Transformer, cache, prompts: list[list[int]], max_new_tokens
         t0 = time.perf_counter()
         for step in range(max_new_tokens - 1):
             done |= torch.isin(real[:, 0], stop)
-            if (step % check_every == 0 and bool(done.all())) or not keep_going():
+            if (step % check_every == 0 and bool(done.all())) or not options.keep_going():
                 break
             real = sample(cache.step(model, real, pos), **sampling)
             cache.sampled(real)
@@ -478,9 +490,10 @@ def run(args: argparse.Namespace) -> None:
 
         t0 = time.perf_counter()
         try:
-            result = generate(model, cache, prompts, max_new_tokens, stop_ids=stop_ids, temperature=args.temperature,
-                              top_k=args.top_k, compile_prefill=args.compile_prefill and args.cache == "full",
-                              callback=callback, prefill_chunk=args.prefill_chunk)
+            options = GenerateOptions(prefill_chunk=args.prefill_chunk,
+                                      compile_prefill=args.compile_prefill and args.cache == "full")
+            result = generate(model, cache, prompts, max_new_tokens, stop_ids=stop_ids, callback=callback,
+                              options=options, temperature=args.temperature, top_k=args.top_k)
         except KeyboardInterrupt:
             if i >= 0 and main_rank:
                 print_so_far(tokenizer, prompts_text, [t.tolist() for t in so_far], streamed=stream, as_json=args.json)

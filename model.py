@@ -15,15 +15,17 @@ Conventions
   does), so every RMSNorm here multiplies by its weight.
 - Sliding-window layers keep a ring of the newest `window` positions (`RingKVCache`) instead of a
   cache as long as the context: they never look further back, so nothing else is worth keeping.
+  A ring holds whatever rows it is given; a row whose position later rows rewrite (a speculative
+  row) is never read again.
 - Batches are ragged: sequence b occupies cache positions [0, length_b). `input_pos` is a (B, S)
   tensor of per-sequence positions, so sequences of different lengths decode side by side without
   left-padding (pad slots on the right hold garbage that the mask never lets anyone read).
 - The KV cache is a seam: `Attention` computes q, k, v and hands them to `self.kv_cache`, whose
-  forward stores k, v and returns the attention output. `KVCache` below is the full 16-bit cache;
-  `specache.py` plugs in its own per-layer cache through the same call.
+  forward stores k, v and returns the attention output. `KVCache` below is the full cache;
+  `specache.py`'s layers plug in through the same call (caches.py plugs every cache).
 """
 import math
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
@@ -31,60 +33,13 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from config import ModelArgs, find_multiple
-from kernels import dense_cpu
 
 try:
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
 except ImportError:  # torch without FlexAttention: the SDPA path still works
     BlockMask = None
 
 FLEX_BLOCK_SIZE = 128
-
-
-def flex_attention_available(device: Union[str, torch.device]) -> bool:
-    return BlockMask is not None and torch.device(device).type in ("cpu", "cuda")
-
-
-def causal_mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-    return q_idx >= kv_idx
-
-
-def create_causal_block_mask(max_seq_length: int, device: Union[str, torch.device]) -> "BlockMask":
-    """The one causal BlockMask of a generation; each step slices the rows it needs from it."""
-    return create_block_mask(causal_mask_mod, 1, 1, max_seq_length, max_seq_length, device=device,
-                             BLOCK_SIZE=FLEX_BLOCK_SIZE)
-
-
-def slice_block_mask(causal: "BlockMask", input_pos: Tensor) -> "BlockMask":
-    """Rows of the causal BlockMask for queries at per-sequence positions `input_pos` (B, S).
-
-    Decode (S = 1): each sequence b takes the block row that holds its own position, so one mask
-    serves a ragged batch and no shape depends on the position (no recompiles as it moves).
-    Prefill (S > 1) builds its own causal mask from input_pos[0, 0], where every sequence starts.
-    """
-    batch, seqlen = input_pos.shape
-    block = causal.BLOCK_SIZE[0]
-    if seqlen == 1:
-        rows = input_pos[:, 0] // block
-        pick = lambda t: t[0, 0, rows].unsqueeze(1).unsqueeze(1)
-        pos = input_pos[:, 0]
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return kv_idx <= pos[b]
-
-        return BlockMask.from_kv_blocks(
-            pick(causal.kv_num_blocks), pick(causal.kv_indices),
-            pick(causal.full_kv_num_blocks), pick(causal.full_kv_indices),
-            BLOCK_SIZE=causal.BLOCK_SIZE, mask_mod=mask_mod, seq_lengths=(1, causal.seq_lengths[1]),
-            compute_q_blocks=False,
-        )
-    start = input_pos[0, 0]
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return q_idx + start >= kv_idx
-
-    return create_block_mask(mask_mod, 1, 1, seqlen, causal.seq_lengths[1], device=input_pos.device,
-                             BLOCK_SIZE=causal.BLOCK_SIZE)
 
 
 class CausalPrompt:
@@ -101,34 +56,19 @@ class CausalPrompt:
         self.lengths, self.start = lengths, start
 
 
-class CausalDecode(NamedTuple):
-    """The mask of new rows at positions input_pos (B, S) over the cache: each sees the keys up to its
-    own position. `visible` is that as a boolean (B, 1, S, T) mask for SDPA; the full cache's CPU
-    kernel reads the positions instead (kernels/dense_cpu.py). A plain boolean tensor is any mask."""
-    visible: Tensor
-
-
-class Pass(NamedTuple):
-    """A SpeCache pass (specache.py), handed to each layer as the mask: new rows over everything
-    the cache holds, of which the first (the real token) is kept with `keep` (a decode step), none
-    without (the bootstrap); a speculative row is never kept."""
-    keep: bool
-
-
 CAUSAL_PROMPT = CausalPrompt()
-Mask = Union["BlockMask", Tensor, CausalPrompt, CausalDecode, Pass]
+# None: each row sees the positions up to its own (a decode step's mask)
+Mask = Union["BlockMask", Tensor, CausalPrompt, None]
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
     """Softmax attention of q (B, H, S, D) over k, v (B, Hkv, T, D); GQA handled by the kernel.
 
-    `mask` is a BlockMask (FlexAttention), a boolean (B, 1, S, T) tensor (SDPA), a CausalDecode (its
-    boolean mask), or a CausalPrompt.
+    `mask` is a BlockMask (FlexAttention), a boolean (B, 1, S, T) tensor (SDPA), or a CausalPrompt
+    (a cache turns None into the boolean mask of its rows' positions).
     """
     gqa = q.shape[1] != k.shape[1]
-    if isinstance(mask, CausalDecode):
-        mask = mask.visible
-    if isinstance(mask, CausalPrompt):  # from position 0 (a cache's prompt on top of its history: KVCache)
+    if isinstance(mask, CausalPrompt):  # from position 0 (rows on top of a history get a boolean mask)
         seqlen = q.shape[2]
         return F.scaled_dot_product_attention(q, k[:, :, :seqlen], v[:, :, :seqlen], is_causal=True, enable_gqa=gqa)
     if isinstance(mask, Tensor):
@@ -166,62 +106,6 @@ def prompt_attention(q: Tensor, k: Tensor, v: Tensor, window: Optional[int]) -> 
     return sliding_window_attention(q, k, v, window)
 
 
-def history_block(batch: int, n_heads: int, rows: int, head_dim: int, multiple: int, budget: int = 1 << 24) -> int:
-    """How many history positions `attention_after_history` takes at a time for `rows` query rows
-    per head: about `budget` float32 elements (64 MB) of scores or of K and V widened to every query
-    head, whichever is larger; a multiple of `multiple`."""
-    per_position = batch * n_heads * max(rows, 2 * head_dim)
-    return max(multiple, budget // per_position // multiple * multiple)
-
-
-def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
-    """Softmax attention of q (B, H, S, D) over k, v (B, Hkv, N, D) in float32 (causal: N = S, row i
-    sees keys 0..i), and each row's log-sum-exp of scores (B, H, S), by which partial attentions over
-    disjoint keys merge into one. On a CPU, ATen's flash-attention kernel (several times faster than
-    the plain-PyTorch `attention_with_lse_reference`, which serves elsewhere)."""
-    if q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        group = q.shape[1] // k.shape[1]
-        k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.float(), k, v, 0.0, causal)
-        return out, lse
-    return attention_with_lse_reference(q, k, v, causal)
-
-
-def attention_with_lse_reference(q: Tensor, k: Tensor, v: Tensor, causal: bool,
-                                 budget: int = 1 << 24) -> tuple[Tensor, Tensor]:
-    """The same in plain PyTorch, the rows in tiles of about `budget` scores."""
-    b, n_heads, s, d = q.shape
-    n_kv, n = k.shape[1], k.shape[2]
-    rows = (q.float() * d ** -0.5).view(b, n_kv, n_heads // n_kv, s, d)  # query head h reads KV head h // G
-    keys, values = k.float().unsqueeze(2), v.float().unsqueeze(2)
-    tile = max(1, budget // (b * n_heads * n))
-    outs, lses = [], []
-    for first in range(0, s, tile):
-        scores = rows[:, :, :, first: first + tile] @ keys.transpose(-1, -2)  # (B, Hkv, G, tile, N)
-        if causal:
-            own = torch.arange(first, first + scores.shape[3], device=q.device)
-            scores = scores.masked_fill(torch.arange(n, device=q.device) > own[:, None], float("-inf"))
-        lse = torch.logsumexp(scores, -1)
-        outs.append(torch.exp(scores - lse.unsqueeze(-1)) @ values)
-        lses.append(lse)
-    return torch.cat(outs, 3).reshape(b, n_heads, s, d), torch.cat(lses, 3).reshape(b, n_heads, s)
-
-
-def attention_after_history(q: Tensor, k: Tensor, v: Tensor, history) -> Tensor:
-    """Attention of rows q (B, H, S, D) at positions start..start+S-1 over the `start` positions
-    before them, given as `history`: (K, V) blocks (B, Hkv, n, D) in order, and causally over their
-    own k, v (B, Hkv, S, D). One softmax, in float32: the attention over each block and its log-sum-
-    exp, merged as they come (flash attention's rule), so one block of the history is in memory at
-    a time."""
-    out, lse = attention_with_lse(q, k, v, causal=True)
-    for block_k, block_v in history:
-        block_out, block_lse = attention_with_lse(q, block_k, block_v, causal=False)
-        merged = torch.logaddexp(lse, block_lse)
-        out = out * torch.exp(lse - merged).unsqueeze(-1) + block_out * torch.exp(block_lse - merged).unsqueeze(-1)
-        lse = merged
-    return out.to(q.dtype)
-
-
 class KVCache(nn.Module):
     """The full cache: every position's K and V, preallocated, in the model's dtype or in 16 bits."""
 
@@ -245,20 +129,14 @@ class KVCache(nn.Module):
         self.v_cache[: v.shape[0], :, : v.shape[2]] = v.to(self.v_cache.dtype)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask: Mask) -> Tensor:
-        """Decode on a CPU reads the cache through kernels/dense_cpu.c (up to each row's position, 16-bit
-        elements widened in registers); prefill, GPUs and shapes it does not take go through `attention`."""
         k_all, v_all = self.update(input_pos, k, v)
-        causal = isinstance(mask, CausalDecode) or (BlockMask is not None and isinstance(mask, BlockMask))
-        if causal and dense_cpu.takes(q, k_all):
-            return dense_cpu.dense_decode_attention(q.float(), k_all, v_all, input_pos).to(q.dtype)
-        if isinstance(mask, CausalPrompt) and mask.start:  # rows on top of a history: over it in blocks
-            start, block = mask.start, history_block(*q.shape, FLEX_BLOCK_SIZE)
-            history = ((k_all[:, :, i: min(start, i + block)], v_all[:, :, i: min(start, i + block)])
-                       for i in range(0, start, block))
-            end = start + q.shape[2]  # its own rows as the cache holds them (16 bits with --full_16bit)
-            return attention_after_history(q, k_all[:, :, start:end], v_all[:, :, start:end], history)
+        if isinstance(mask, CausalPrompt) and mask.start:  # rows on top of what the cache holds
+            end = mask.start + q.shape[2]
+            k_all, v_all, mask = k_all[:, :, :end], v_all[:, :, :end], None
         if k_all.dtype != q.dtype:  # a 16-bit cache beside a float32 model
             k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)
+        if mask is None:  # each row sees the positions up to its own
+            mask = torch.arange(k_all.shape[2], device=q.device) <= input_pos[:, None, :, None]
         return attention(q, k_all, v_all, mask)
 
 
@@ -268,8 +146,9 @@ class RingKVCache(nn.Module):
 
     A step attends over the ring and its own new rows, masked by position (p <= query, and
     query - p < window), then writes its rows over the slots of the positions that just left the
-    window (under SpeCache's `Pass`, only the real row, if kept). Memory is window x heads x head_dim
-    per sequence, however long the context.
+    window. A slot whose position the new rows bring again holds a row that did not stay (a
+    speculative row, the last turn's end) and is not read. Memory is window x heads x head_dim per
+    sequence, however long the context.
     """
 
     def __init__(self, max_batch_size: int, window: int, n_heads: int, head_dim: int, dtype: torch.dtype,
@@ -285,8 +164,9 @@ class RingKVCache(nn.Module):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
         """Attention of new rows q, k, v (B, *, S, D) at positions input_pos (B, S) over the ring
         and each other, without writing anything."""
-        batch = q.shape[0]
-        kv_pos = torch.cat([self.slot_pos[:batch], input_pos], dim=1)[:, None, :]  # (B, 1, W + S)
+        batch, ring_pos = q.shape[0], self.slot_pos[: q.shape[0]]
+        ring_pos = torch.where(ring_pos < input_pos[:, :1], ring_pos, -1)  # not the rows' own positions
+        kv_pos = torch.cat([ring_pos, input_pos], dim=1)[:, None, :]  # (B, 1, W + S)
         q_pos = input_pos[:, :, None]
         visible = (kv_pos >= 0) & (kv_pos <= q_pos) & (kv_pos > q_pos - self.window)
         keys = torch.cat([self.k_cache[:batch], k.to(self.k_cache.dtype)], dim=2).to(q.dtype)
@@ -338,8 +218,6 @@ class RingKVCache(nn.Module):
             self.ingest_prompt(k, v, mask.lengths, mask.start)
             return y
         y = self.attend(q, k, v, input_pos)
-        if isinstance(mask, Pass):  # a layer that slides under SpeCache: its rings stay 16-bit in the fast tier
-            k, v, input_pos = k[:, :, : int(mask.keep)], v[:, :, : int(mask.keep)], input_pos[:, : int(mask.keep)]
         self.write(k, v, input_pos)
         return y
 
@@ -386,10 +264,11 @@ class Transformer(nn.Module):
         if self.config.tie_embeddings and prefix + "output.weight" not in state_dict:
             state_dict[prefix + "output.weight"] = state_dict[prefix + "tok_embeddings.weight"]
 
-    def setup_caches(self, max_batch_size: int, max_seq_length: int, kv_dtype: Optional[torch.dtype] = None) -> None:
+    def setup_caches(self, max_batch_size: int, max_seq_length: int, kv_dtype: Optional[torch.dtype] = None,
+                     kv_cache: type = None) -> None:
         """Allocate every layer's KV cache (in `kv_dtype`, default the model's) and the RoPE tables for
-        `max_seq_length` positions: as long as that for full-attention layers, a ring of the window
-        for sliding-window ones.
+        `max_seq_length` positions: as long as that for full-attention layers (`kv_cache`, default
+        KVCache), a ring of the window for sliding-window ones.
 
         The length is rounded up to FlexAttention's block size.
         """
@@ -400,8 +279,8 @@ class Transformer(nn.Module):
         c = self.config
         for b in self.layers:
             if b.attention.window is None:
-                b.attention.kv_cache = KVCache(max_batch_size, max_seq_length, c.n_local_heads, c.head_dim, dtype,
-                                               device)
+                b.attention.kv_cache = (kv_cache or KVCache)(max_batch_size, max_seq_length, c.n_local_heads,
+                                                             c.head_dim, dtype, device)
             else:
                 b.attention.kv_cache = RingKVCache(max_batch_size, b.attention.window, c.n_local_heads, c.head_dim,
                                                    dtype, device)
@@ -425,31 +304,17 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.config.dim ** 0.5, dtype=x.dtype)
         return x
 
-    def make_mask(self, input_pos: Tensor, causal_block_mask: Optional["BlockMask"] = None) -> Mask:
-        """The attention mask for queries at `input_pos` (B, S) over the whole cache.
-
-        With the generation's causal BlockMask it is a FlexAttention mask; without, CAUSAL_PROMPT
-        for a prompt from position 0, else a boolean mask for SDPA. Uncompiled FlexAttention materialises the whole score matrix (torch warns
-        about it), so eager code runs SDPA and compiled code runs FlexAttention.
-        """
-        if causal_block_mask is not None:
-            return slice_block_mask(causal_block_mask, input_pos)
-        if input_pos.shape[1] > 1 and int(input_pos[0, 0]) == 0:
-            return CAUSAL_PROMPT  # SDPA's causal kernel: 2.5x faster than a boolean mask on CPU
-        kv_pos = torch.arange(self.max_seq_length, device=input_pos.device)
-        return CausalDecode((kv_pos <= input_pos.unsqueeze(-1)).unsqueeze(1))
-
     def forward(self, idx: Tensor, input_pos: Tensor, mask: Optional[Mask] = None,
                 output_index: Optional[Tensor] = None) -> Tensor:
-        """Logits for tokens `idx` (B, S) at positions `input_pos` (B, S).
+        """Logits for tokens `idx` (B, S) at positions `input_pos` (B, S), with the attention mask
+        `mask` (see `attention`; None: each row sees the positions up to its own, as decode steps
+        do; prompts pass a CausalPrompt).
 
         `output_index` (B, K) picks which of the S positions get logits (prefill needs only the
         last real one of each sequence; the vocab projection of every prompt position is costly).
         """
         if self.freqs_cis is None:
             raise RuntimeError("call setup_caches() before forward()")
-        if mask is None:
-            mask = self.make_mask(input_pos)
         x = self.embed(idx)
         for layer, freqs_cis in zip(self.layers, self.rope(input_pos)):
             x = layer(x, input_pos, freqs_cis, mask)

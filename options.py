@@ -11,7 +11,7 @@ import torch
 from caches import KINDS, make_cache
 from checkpoint import UserError
 from model import Transformer
-from selection import DEFAULT_SELECT
+from specache import Selection
 
 EVICTION_CACHES = ("streaming", "h2o")
 
@@ -72,7 +72,7 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
                    help="k: 16-bit pairs fetched per layer and KV head each step (default 64)")
     g.add_argument("--specache_select", default="default", metavar="SELECTION",
                    help="how the k pairs are chosen: 'paper' (the paper's rule: the speculative row's top-k, mean "
-                        "over query heads), 'default' (ours: " + DEFAULT_SELECT + "), or a comma-separated list of "
+                        "over query heads), 'default' (ours: " + Selection().name() + "), or a comma-separated list of "
                         "changes to the paper's rule: split[=share] (that share of k chosen by the real row within "
                         "the step, default 0.5), gqa-max, correct[=cosine] (re-choose a head's k when its query "
                         "moved, default 0.9), sinks[=n] (first n positions exact, default 4), lloyd (1-bit levels "

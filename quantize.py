@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import linear_cpu
-from kernels.quant import pack_bits, unpack_bits
+from specache import pack_bits, unpack_bits
 from model import Linear, Transformer, linear
 
 QUANTIZED_NAME = re.compile(r"model_(int8|int4)(?:\.g(\d+))?\.pth$")

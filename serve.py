@@ -46,7 +46,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from checkpoint import UserError, load_model, load_tokenizer, resolve_checkpoint
-from generate import generate
+from generate import GenerateOptions, generate
 from model import Transformer
 from options import (add_cache_arguments, add_model_arguments, cache_from_args, context_length, model_dtype,
                      pick_device, validate_cache_args)
@@ -284,10 +284,11 @@ class Engine:
         longest = max(len(job.prompt_ids) for job in batch)
         new_tokens = min(max(job.max_tokens for job in batch), self.capacity - longest)
         try:
+            options = GenerateOptions(prefill_chunk=self.args.prefill_chunk,
+                                      keep_going=lambda: not all(job.finished for job in batch))
             generate(self.model, cache, [job.prompt_ids for job in batch], new_tokens,
-                              stop_ids=frozenset(self.tokenizer.stop_ids), temperature=temperature, top_k=top_k,
-                              callback=feed, keep_going=lambda: not all(job.finished for job in batch),
-                              prefill_chunk=self.args.prefill_chunk)
+                     stop_ids=frozenset(self.tokenizer.stop_ids), callback=feed, options=options,
+                     temperature=temperature, top_k=top_k)
         except Exception as error:
             print(f"error: a batch of {len(batch)} failed: {type(error).__name__}: {error}", file=sys.stderr)
             self.cache = None  # whatever state it was left in goes

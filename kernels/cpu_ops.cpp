@@ -13,6 +13,7 @@
 // Problem structs, field for field.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -91,6 +92,14 @@ void check_exclusions(const char *op, const at::Tensor &excluded_pos, const at::
                     op, ": excluded_pos must be (B, Hkv, E) int64 and excluded_valid bool of its shape");
 }
 
+// The op specache_plain::`name`: specache.py's plain-PyTorch definition of specache::`name`, registered by
+// kernels/cpu_ops.py, for the shapes a C kernel does not take.
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> plain(const char *name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow((std::string("specache_plain::") + name).c_str(), "")
+      .typed<Signature>();
+}
+
 // The C kernels' element types: float32, bfloat16, float16.
 int32_t dtype_code(at::ScalarType dtype) { return dtype == at::kFloat ? 0 : dtype == at::kBFloat16 ? 1 : 2; }
 
@@ -158,7 +167,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_seg
   TORCH_CHECK(merge_kernel, "merge_segments: the C kernel was not handed over");
   TORCH_CHECK_VALUE(rows_in.dim() == 4 && rows_in.scalar_type() == at::kFloat, "merge_segments: rows must be (B, Hkv, M, D) float32");
   const int64_t b = rows_in.size(0), h = rows_in.size(1), m = rows_in.size(2), d = rows_in.size(3);
-  TORCH_CHECK_VALUE(m >= 1 && m <= 64 && d >= 1 && d <= 256, "merge_segments: need 1 <= M <= 64 and 1 <= D <= 256");
+  TORCH_CHECK_VALUE(m >= 1 && d >= 1, "merge_segments: need M >= 1 and D >= 1");
   for (const at::Tensor *x : {&row_max_in, &row_sum_in})
     TORCH_CHECK_VALUE(x->sizes() == at::IntArrayRef({b, h, m}) && x->scalar_type() == at::kFloat,
                       "merge_segments: row_max and row_sum must be (B, Hkv, M) float32");
@@ -182,6 +191,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_seg
                     "merge_segments: fetched_valid must be (B, Hkv, N) bool");
   TORCH_CHECK_VALUE(window_len_in.dim() == 1 && window_len_in.size(0) == b && window_len_in.scalar_type() == at::kLong,
                     "merge_segments: window_len must be (B,) int64");
+  if (m > 64 || d > 256) {  // more rows or channels than the C kernel's registers hold: the reference
+    static const auto reference = plain<decltype(merge_segments)>("merge_segments");
+    return reference.call(rows_in, row_max_in, row_sum_in, lowbit_out_in, fetched_k, fetched_v, fetched_valid_in,
+                          window_k, window_v, window_len_in, new_k, new_v);
+  }
   const at::Tensor rows = rows_in.contiguous(), row_max = row_max_in.contiguous(), row_sum = row_sum_in.contiguous(),
                    lowbit_out = lowbit_out_in.contiguous(), fetched_valid = fetched_valid_in.contiguous(),
                    window_len = window_len_in.contiguous();
@@ -224,8 +238,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_partial_attent
   const int64_t b = rows_in.size(0), h = rows_in.size(1), m = rows_in.size(2), d = rows_in.size(3);
   TORCH_CHECK_VALUE(b >= 1 && h >= 1, "lowbit_partial_attention: need B and Hkv >= 1");
   TORCH_CHECK_VALUE(bits == 1 || bits == 2, "lowbit_partial_attention: bits must be 1 or 2");
-  TORCH_CHECK_VALUE(d % 16 == 0 && d >= 16 && d <= 256 && group > 0 && group % 8 == 0 && group <= (1 << 20),
-                    "lowbit_partial_attention: need head_dim a multiple of 16 up to 256 and group a multiple of 8");
+  TORCH_CHECK_VALUE(group > 0, "lowbit_partial_attention: the group must be positive");
   TORCH_CHECK_VALUE(k_packed_in.dim() == 4 && k_packed_in.size(2) > 0, "lowbit_partial_attention: k_packed must be (B, Hkv, T > 0, D*bits/8)");
   const int64_t t = k_packed_in.size(2), nbytes = d * bits / 8, groups = (t + group - 1) / group;
   const int64_t value_groups = v_scale_in.dim() == 4 ? v_scale_in.size(3) : 0;
@@ -243,6 +256,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_partial_attent
   TORCH_CHECK_VALUE(visible_len_in.dim() == 1 && visible_len_in.size(0) == b && visible_len_in.scalar_type() == at::kLong,
                     "lowbit_partial_attention: visible_len must be (B,) int64");
   check_exclusions("lowbit_partial_attention", excluded_pos_in, excluded_valid_in, b, h);
+  if (!(d % 16 == 0 && d >= 16 && d <= 256 && group % 8 == 0 && group <= (1 << 20))) {
+    // a shape the C kernel does not take: specache.py's reference
+    static const auto reference = plain<decltype(lowbit_partial_attention)>("lowbit_partial_attention");
+    return reference.call(rows_in, k_packed_in, k_scale_in, k_zero_in, v_packed_in, v_scale_in, v_zero_in, bits, group,
+                          visible_len_in, excluded_pos_in, excluded_valid_in);
+  }
   const at::Tensor rows = rows_in.contiguous(), k_packed = k_packed_in.contiguous(), v_packed = v_packed_in.contiguous(),
                    k_scale = k_scale_in.contiguous(), k_zero = k_zero_in.contiguous(), v_scale = v_scale_in.contiguous(),
                    v_zero = v_zero_in.contiguous(), visible_len = visible_len_in.contiguous(),

@@ -15,6 +15,7 @@ import subprocess
 import warnings
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -47,11 +48,20 @@ def _loaded() -> bool:
         return False
 
 
-def hand_over(op: str, function: ctypes._CFuncPtr) -> bool:
-    """Register the C++ implementation of `op` (quantized_linear, dense_decode_attention, merge_segments,
-    lowbit_partial_attention or top_positions) around the
-    C kernel `function`; False where it cannot be built (the Python implementation serves)."""
+_PLAIN = torch.library.Library("specache_plain", "FRAGMENT")
+
+
+def hand_over(op: str, function: ctypes._CFuncPtr, fallback: Optional[Callable] = None) -> bool:
+    """Register the C++ implementation of `op` (quantized_linear, dense_decode_attention,
+    merge_segments, lowbit_partial_attention or top_positions) around the C kernel `function`;
+    False where it cannot be built (the Python implementation serves). `fallback`: the op's
+    plain-PyTorch definition, which the C++ implementation calls, as the op specache_plain::`op`,
+    for shapes the C kernel does not take."""
     if not _loaded():
         return False
+    if fallback is not None and not hasattr(torch.ops.specache_plain, op):
+        schema = str(getattr(torch.ops.specache, op).default._schema).split("::", 1)[1]
+        _PLAIN.define(schema)
+        _PLAIN.impl(op, fallback, "CompositeExplicitAutograd")
     torch.ops.specache.set_cpu_kernel(op, ctypes.cast(function, ctypes.c_void_p).value)
     return True

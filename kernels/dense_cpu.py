@@ -19,23 +19,16 @@ nothing past it), and widens 16-bit elements in registers. It is the op
 warning) and the full cache keeps SDPA and FlexAttention. SPECACHE_NO_CPU_KERNEL=1 forces that.
 Results do not depend on the thread count. Inference only: no autograd formula.
 
-    merge_segments(rows, row_max, row_sum, lowbit_out, fetched_k, fetched_v, fetched_valid,
-                   window_k, window_v, window_len, new_k, new_v) -> (out, lowbit_scale, p_fetched, p_window, p_new)
-
-is SpeCache's other dense attention: the rows (B, Hkv, M, D) float32, already scaled, over its three
-16-bit segments (each (B, Hkv, N, D) float32, bfloat16 or float16: the fetched pairs, of which the
-valid slots (B, Hkv, N) count; the residual window, of which the first window_len[b] (B,) count;
-the S new pairs, of which row m sees 0 .. m % S), in one softmax with the low-bit pass, given as its
-row_max, row_sum (B, Hkv, M) and unnormalized output lowbit_out (B, Hkv, M, D). It returns the
-output (B, Hkv, M, D), the factor lowbit_scale (B, Hkv, M, 1) that turns the low-bit weights into
-probabilities, and each segment's probabilities (B, Hkv, M, N). `merge_segments_reference` (plain
-PyTorch: matmuls, masks, exp) is the spec. It runs twice per layer and step; the C function in
-dense_cpu.c replaces 3 to 6 small matmuls (MKL: several microseconds each) and the loops between
-them with one call.
+The same C file holds the kernel of `specache::merge_segments`, the op specache.py defines (its
+`merge_segments_reference` is the spec): SpeCache's other dense attention, the query rows over its
+three 16-bit segments merged with the low-bit pass in one softmax. It runs twice per layer and step;
+one C call replaces 3 to 6 small matmuls (MKL: several microseconds each) and the loops between
+them. `register_merge()` registers it for CPU tensors (up to 64 rows and head_dim 256; the reference
+takes larger ones).
 """
 import ctypes
 import warnings
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Optional
 
@@ -43,6 +36,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+import specache
 from kernels import cpu_build, cpu_ops
 
 SOURCE = Path(__file__).with_name("dense_cpu.c")
@@ -119,7 +113,6 @@ def _library() -> Optional[ctypes.CDLL]:
                       f"plain merge of SpeCache's segments serve ({error})")
         return None
     cpu_ops.hand_over("dense_decode_attention", lib.dense_decode_attention)  # C++ dispatch where it builds
-    cpu_ops.hand_over("merge_segments", lib.merge_segments)
     return lib
 
 
@@ -221,27 +214,6 @@ def _check_merge(rows: Tensor, row_max: Tensor, row_sum: Tensor, lowbit_out: Ten
         fail("all tensors must be on one device")
 
 
-def merge_segments_reference(rows: Tensor, row_max: Tensor, row_sum: Tensor, lowbit_out: Tensor, fetched_k: Tensor,
-                             fetched_v: Tensor, fetched_valid: Tensor, window_k: Tensor, window_v: Tensor,
-                             window_len: Tensor, new_k: Tensor, new_v: Tensor) -> MergeOutputs:
-    """The module docstring's merge, by the log-sum-exp rule: matmuls, masks and exp."""
-    segments = [(fetched_k, fetched_v), (window_k, window_v), (new_k, new_v)]
-    _check_merge(rows, row_max, row_sum, lowbit_out, segments, fetched_valid, window_len)
-    device, m, s = rows.device, rows.shape[2], new_k.shape[2]
-    window_ok = torch.arange(window_k.shape[2], device=device) < window_len[:, None, None, None]  # (B, 1, 1, R)
-    new_ok = torch.arange(s, device=device) <= (torch.arange(m, device=device) % s)[:, None]  # (M, S)
-    scores = [(rows @ k.float().transpose(-1, -2)).masked_fill(~ok, float("-inf"))
-              for (k, _), ok in zip(segments, (fetched_valid.unsqueeze(2), window_ok, new_ok))]
-    # every row sees its own pair, so the maximum is finite
-    top = torch.stack([row_max] + [x.amax(-1) for x in scores if x.shape[-1]], -1).amax(-1, keepdim=True)
-    lowbit_scale = torch.exp(row_max.unsqueeze(-1) - top)  # 0 where nothing is low-bit yet
-    weights = [torch.exp(x - top) for x in scores]
-    total = row_sum.unsqueeze(-1) * lowbit_scale + sum(w.sum(-1, keepdim=True) for w in weights)
-    probs = [w / total for w in weights]
-    out = lowbit_out * (lowbit_scale / total) + sum(p @ v.float() for p, (_, v) in zip(probs, segments))
-    return out, lowbit_scale / total, *probs
-
-
 def run_merge_kernel(lib: ctypes.CDLL, rows: Tensor, row_max: Tensor, row_sum: Tensor, lowbit_out: Tensor,
                      fetched_k: Tensor, fetched_v: Tensor, fetched_valid: Tensor, window_k: Tensor, window_v: Tensor,
                      window_len: Tensor, new_k: Tensor, new_v: Tensor) -> MergeOutputs:
@@ -270,35 +242,22 @@ def run_merge_kernel(lib: ctypes.CDLL, rows: Tensor, row_max: Tensor, row_sum: T
     return out, lowbit_scale, *probs
 
 
-def _merge_op(*inputs: Tensor) -> MergeOutputs:
-    lib = _library()
-    if lib is None:  # called directly, where the kernel cannot run
-        return merge_segments_reference(*inputs)
-    return run_merge_kernel(lib, *inputs)
+def _serve_merge(lib: ctypes.CDLL, *inputs: Tensor) -> MergeOutputs:
+    """specache::merge_segments for CPU tensors where the C++ dispatch does not build: the C kernel
+    through ctypes for the shapes it takes, the reference otherwise."""
+    rows = inputs[0]
+    if rows.shape[2] <= MAX_ROWS and rows.shape[3] <= MAX_HEAD_DIM:
+        return run_merge_kernel(lib, *inputs)
+    return specache.merge_segments_reference(*inputs)
 
 
-_LIBRARY.define("merge_segments(Tensor rows, Tensor row_max, Tensor row_sum, Tensor lowbit_out, Tensor fetched_k, "
-                "Tensor fetched_v, Tensor fetched_valid, Tensor window_k, Tensor window_v, Tensor window_len, "
-                "Tensor new_k, Tensor new_v) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
-_LIBRARY.impl("merge_segments", _merge_op, "CompositeExplicitAutograd")  # kernels/cpu_ops.cpp overrides it for CPU
-
-
-@torch.library.register_fake("specache::merge_segments")
-def _(rows, row_max, row_sum, lowbit_out, fetched_k, fetched_v, fetched_valid, window_k, window_v, window_len, new_k,
-      new_v):
-    _check_merge(rows, row_max, row_sum, lowbit_out, [(fetched_k, fetched_v), (window_k, window_v), (new_k, new_v)],
-                 fetched_valid, window_len)
-    b, h, m, _ = rows.shape
-    return (torch.empty_like(rows), rows.new_empty(b, h, m, 1),
-            *(rows.new_empty(b, h, m, k.shape[2]) for k in (fetched_k, window_k, new_k)))
-
-
-def merge_segments(rows: Tensor, row_max: Tensor, row_sum: Tensor, lowbit_out: Tensor, fetched_k: Tensor,
-                   fetched_v: Tensor, fetched_valid: Tensor, window_k: Tensor, window_v: Tensor, window_len: Tensor,
-                   new_k: Tensor, new_v: Tensor) -> MergeOutputs:
-    """As in the module docstring: the C kernel for CPU tensors when it is available, else the reference."""
-    inputs = (rows, row_max, row_sum, lowbit_out, fetched_k, fetched_v, fetched_valid, window_k, window_v, window_len,
-              new_k, new_v)
-    if rows.device.type == "cpu" and available():
-        return torch.ops.specache.merge_segments(*inputs)
-    return merge_segments_reference(*inputs)
+@lru_cache(maxsize=None)
+def register_merge() -> bool:
+    """Build the C kernel (once) and make it serve `specache::merge_segments` for CPU tensors;
+    False where it cannot (the reference serves)."""
+    lib = _library() if cpu_build.enabled() else None
+    if lib is None:
+        return False
+    if not cpu_ops.hand_over("merge_segments", lib.merge_segments, specache.merge_segments_reference):
+        torch.library.register_kernel("specache::merge_segments", "cpu", partial(_serve_merge, lib))
+    return True

@@ -1,17 +1,6 @@
-"""The low-bit segment of SpeCache's attention on CPUs: a C kernel and its plain-PyTorch reference.
-
-`lowbit_partial_attention(rows, kv, visible_len, excluded_pos, excluded_valid)` returns the pieces
-of a softmax over the packed low-bit copy (kernels.quant's layout) that the caller merges with its
-other segments by the log-sum-exp rule:
-
-    score[b,h,m,t]   = rows[b,h,m] . key[b,h,t]          (key dequantized; rows already * D**-0.5)
-    allowed[b,h,t]   = t < visible_len[b] and t is not a valid excluded_pos[b,h,:]
-    row_max[b,h,m]   = max of score over allowed t        (-inf when nothing is allowed)
-    weights[b,h,m,t] = exp(score - row_max) where allowed, exactly 0 elsewhere
-    row_sum[b,h,m]   = sum_t weights;   out[b,h,m] = sum_t weights * value[b,h,t]   (unnormalized)
-
-T need not be a multiple of the group: k_scale holds ceil(T/group) key groups, the last partial.
-`lowbit_partial_attention_reference` spells this out by dequantizing; it is the spec.
+"""The low-bit segment of SpeCache's attention on CPUs: a C kernel for the op
+`specache::lowbit_partial_attention` that specache.py defines (its plain-PyTorch definition,
+`lowbit_partial_attention_reference`, is the spec).
 
 The C kernel (kernels/lowbit_cpu.c) never dequantizes. Scales fold into the other operand
 (q . (code * s + z) = (q * s) . code + q . z for keys, per channel and key group; w (code * s + z) =
@@ -25,25 +14,26 @@ Dequantizing would take an FMA per channel, token and row; this takes one lookup
 nibble and row, for 16 tokens (keys) or 16 channels (values) at a time. A first parallel pass writes
 the scores into `weights` and takes the row maxima; a second exponentiates in place (a polynomial
 exp, relative error ~1e-7) and mixes the values. Work is split over (batch, head, chunk of
-positions) with OpenMP, on torch's thread count; results do not depend on it. Inference only: the
-op has no autograd formula.
+positions) with OpenMP, on torch's thread count; results do not depend on it. It takes head dims
+that are multiples of 16 up to 256 and groups that are multiples of 8 (`takes`); other shapes go to
+the reference.
 
-The kernel is compiled at first use (kernels/cpu_build.py). Without AVX-512 the same file builds
-plain C that runs the same tables one lookup at a time. Without gcc, or when the build fails,
-`available()` is False (with one warning) and the reference runs instead; SPECACHE_NO_CPU_KERNEL=1
-forces that. The kernel is the op `specache::lowbit_partial_attention` (with the LowBitKV fields
-spread out), which torch.compile keeps as one opaque call, dispatched in C++ (kernels/cpu_ops.cpp)
-where that builds; `run_kernel(load(build(flags)), ...)` runs a given build.
+`register()` compiles the kernel at first use (kernels/cpu_build.py; without AVX-512 the same file
+builds plain C that runs the same tables one lookup at a time) and registers it for CPU tensors:
+dispatched in C++ (kernels/cpu_ops.cpp) where that builds, else through ctypes. Without gcc, or when
+the build fails, it returns False (with one warning) and the reference serves;
+SPECACHE_NO_CPU_KERNEL=1 forces that. `run_kernel(load(build(flags)), ...)` runs a given build.
 """
 import ctypes
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+import specache
 from kernels import cpu_build, cpu_ops
-from kernels.quant import SCALE_DTYPES, LowBitKV, dequantize_keys, dequantize_values, value_group
+from specache import SCALE_DTYPES, LowBitKV, value_group
 
 SOURCE = Path(__file__).with_name("lowbit_cpu.c")
 FLAGS = cpu_build.FLAGS
@@ -51,12 +41,9 @@ MAX_HEAD_DIM = 256  # the C file's MAX_D
 Outputs = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
-# ---------------------------------------------------------------------------------------------
-# The reference
-# ---------------------------------------------------------------------------------------------
-
-def _check(rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor, excluded_valid: Tensor) -> None:
-    """Raise ValueError unless the inputs have the layout described in the module docstring."""
+def _check(rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor,
+           excluded_valid: Tensor) -> None:
+    """Raise ValueError unless the inputs have the op's layout and a shape the C kernel takes."""
     def fail(message: str):
         raise ValueError(f"lowbit_partial_attention: {message}")
 
@@ -96,28 +83,6 @@ def _check(rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor
         fail("all tensors must be on one device")
 
 
-def lowbit_partial_attention_reference(rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor,
-                                       excluded_valid: Tensor) -> Outputs:
-    """The module docstring's definition, in plain PyTorch: dequantize, score, mask, exponentiate."""
-    _check(rows, kv, visible_len, excluded_pos, excluded_valid)
-    b, h, _, _ = rows.shape
-    t = kv.k_packed.shape[2]
-    padded = kv.k_scale.shape[2] * kv.group  # whole key groups for dequantize_keys; the padding is cut off
-    k_packed = torch.nn.functional.pad(kv.k_packed, (0, 0, 0, padded - t))
-    keys = dequantize_keys(k_packed, kv.k_scale, kv.k_zero, kv.bits, kv.group)[:, :, :t]
-    values = dequantize_values(kv.v_packed, kv.v_scale, kv.v_zero, kv.bits, kv.group)
-    scores = rows @ keys.transpose(-1, -2)
-    # scatter_add, not scatter: an invalid slot may repeat a valid slot's position
-    counts = (excluded_valid & (excluded_pos >= 0) & (excluded_pos < t)).long()
-    hits = torch.zeros(b, h, t, dtype=torch.long, device=rows.device).scatter_add(-1, excluded_pos.clamp(0, t - 1),
-                                                                                  counts)
-    visible = torch.arange(t, device=rows.device) < visible_len[:, None, None]
-    allowed = (visible & (hits == 0)).unsqueeze(2)  # (B, Hkv, 1, T)
-    row_max = scores.masked_fill(~allowed, float("-inf")).amax(-1)
-    weights = torch.where(allowed, torch.exp(scores - row_max.unsqueeze(-1)), 0.0)
-    return weights, row_max, weights.sum(-1), weights @ values
-
-
 # ---------------------------------------------------------------------------------------------
 # Building and loading the C kernel
 # ---------------------------------------------------------------------------------------------
@@ -140,21 +105,6 @@ def load(path: Path) -> ctypes.CDLL:
     return cpu_build.load(path, "lowbit_partial_attention", _Problem)
 
 
-@lru_cache(maxsize=None)
-def _library() -> ctypes.CDLL | None:
-    lib = cpu_build.build_and_load(SOURCE, "lowbit_partial_attention", _Problem,
-                                   "the CPU low-bit kernel is unavailable, using the PyTorch reference")
-    if lib is not None:
-        cpu_ops.hand_over("lowbit_partial_attention", lib.lowbit_partial_attention)  # C++ dispatch where it builds
-    return lib
-
-
-@torch.compiler.assume_constant_result
-def available() -> bool:
-    """Whether the C kernel can run (builds it on first call). Under torch.compile, read once at tracing."""
-    return cpu_build.enabled() and _library() is not None
-
-
 def run_kernel(lib: ctypes.CDLL, rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor,
                excluded_valid: Tensor) -> Outputs:
     """Call the C kernel of `lib` (a `load`ed build) on CPU tensors."""
@@ -173,43 +123,37 @@ def run_kernel(lib: ctypes.CDLL, rows: Tensor, kv: LowBitKV, visible_len: Tensor
     return tuple(outputs)
 
 
-# ---------------------------------------------------------------------------------------------
-# The op
-# ---------------------------------------------------------------------------------------------
+def takes(rows: Tensor, bits: int, group: int) -> bool:
+    """Whether the C kernel takes rows (B, Hkv, M, D) of a copy with these bits and group."""
+    d = rows.shape[-1]
+    return (d % 16 == 0 and 16 <= d <= MAX_HEAD_DIM and group % 8 == 0 and group > 0
+            and d % value_group(group, d) == 0 and bits in (1, 2))
 
-def _op(rows: Tensor, k_packed: Tensor, k_scale: Tensor, k_zero: Tensor, v_packed: Tensor, v_scale: Tensor,
-        v_zero: Tensor, bits: int, group: int, visible_len: Tensor, excluded_pos: Tensor,
-        excluded_valid: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+
+def _serve(lib: ctypes.CDLL, rows: Tensor, k_packed: Tensor, k_scale: Tensor, k_zero: Tensor,
+           v_packed: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int, group: int,
+           visible_len: Tensor, excluded_pos: Tensor, excluded_valid: Tensor) -> Outputs:
+    """The op for CPU tensors where the C++ dispatch does not build: the C kernel through ctypes
+    for the shapes it takes, the reference otherwise."""
     kv = LowBitKV(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group)
-    lib = _library()
-    if lib is None or rows.device.type != "cpu":  # called directly, where the kernel cannot run
-        return lowbit_partial_attention_reference(rows, kv, visible_len, excluded_pos, excluded_valid)
-    return run_kernel(lib, rows, kv, visible_len, excluded_pos, excluded_valid)
+    if takes(rows, bits, group) and k_packed.shape[2] > 0:
+        return run_kernel(lib, rows, kv, visible_len, excluded_pos, excluded_valid)
+    return specache.lowbit_partial_attention_reference(rows, *kv[:6], bits, group, visible_len,
+                                                       excluded_pos, excluded_valid)
 
 
-# torch.library.Library rather than custom_op: its wrapper costs 13 us more per call (one per layer and step)
-_LIBRARY = torch.library.Library("specache", "FRAGMENT")
-_LIBRARY.define("lowbit_partial_attention(Tensor rows, Tensor k_packed, Tensor k_scale, Tensor k_zero, "
-                "Tensor v_packed, Tensor v_scale, Tensor v_zero, int bits, int group, Tensor visible_len, "
-                "Tensor excluded_pos, Tensor excluded_valid) -> (Tensor, Tensor, Tensor, Tensor)")
-_LIBRARY.impl("lowbit_partial_attention", _op, "CompositeExplicitAutograd")  # kernels/cpu_ops.cpp overrides it for CPU
-
-
-@torch.library.register_fake("specache::lowbit_partial_attention")
-def _(rows, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group, visible_len, excluded_pos,
-      excluded_valid):
-    _check(rows, LowBitKV(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group), visible_len,
-           excluded_pos, excluded_valid)
-    b, h, m, d = rows.shape
-    t = k_packed.shape[2]
-    return rows.new_empty(b, h, m, t), rows.new_empty(b, h, m), rows.new_empty(b, h, m), rows.new_empty(b, h, m, d)
-
-
-def lowbit_partial_attention(rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor,
-                             excluded_valid: Tensor) -> Outputs:
-    """(weights (B,Hkv,M,T), row_max (B,Hkv,M), row_sum (B,Hkv,M), out (B,Hkv,M,D)), all float32, as in the
-    module docstring: the C kernel for CPU tensors when it is available, else the reference."""
-    if rows.device.type == "cpu" and available():
-        return torch.ops.specache.lowbit_partial_attention(rows, *kv[:6], kv.bits, kv.group, visible_len,
-                                                           excluded_pos, excluded_valid)
-    return lowbit_partial_attention_reference(rows, kv, visible_len, excluded_pos, excluded_valid)
+@lru_cache(maxsize=None)
+def register() -> bool:
+    """Build the C kernel (once) and make it serve `specache::lowbit_partial_attention` for CPU
+    tensors; False where it cannot (the reference serves)."""
+    if not cpu_build.enabled():
+        return False
+    lib = cpu_build.build_and_load(SOURCE, "lowbit_partial_attention", _Problem,
+                                   "the CPU low-bit kernel is unavailable, the reference serves")
+    if lib is None:
+        return False
+    fallback = specache.lowbit_partial_attention_reference
+    if not cpu_ops.hand_over("lowbit_partial_attention", lib.lowbit_partial_attention, fallback):
+        torch.library.register_kernel("specache::lowbit_partial_attention", "cpu",
+                                      partial(_serve, lib))
+    return True

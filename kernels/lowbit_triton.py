@@ -1,7 +1,7 @@
 """The low-bit segment of SpeCache's attention on GPUs: two Triton kernels.
 
-Same contract as kernels/lowbit_cpu.py (whose `lowbit_partial_attention_reference` is the spec):
-for rows (B, Hkv, M, D, already scaled) and the packed low-bit copy, the softmax pieces over the
+The op `specache::lowbit_partial_attention` that specache.py defines (its
+`lowbit_partial_attention_reference` is the spec), for CUDA tensors: for rows (B, Hkv, M, D, already scaled) and the packed low-bit copy, the softmax pieces over the
 positions [0, visible_len) less the valid excluded ones: weights exp(score - row_max) (B, Hkv, M, T),
 row_max, row_sum (B, Hkv, M) and the unnormalized output (B, Hkv, M, D).
 
@@ -15,9 +15,8 @@ writing a dequantized copy to memory:
 torch then sums the blocks' sums and outputs. Products run in full fp32 (input_precision="ieee"),
 not TF32, so that the result matches the reference as the CPU kernel does.
 
-The kernels run as the custom op `specache::lowbit_partial_attention_triton` (the LowBitKV fields
-spread out), opaque to torch.compile; kernels/attention.py calls it for CUDA tensors when
-`available()` (Triton and a CUDA device) and `supports(...)` the shape.
+`register()` registers them for CUDA tensors where Triton and a CUDA device are there
+(`available()`); shapes they do not take (`supports`) go to the reference.
 """
 import math
 from functools import lru_cache
@@ -25,7 +24,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from kernels.lowbit_cpu import Outputs
+import specache
 
 try:
     import triton
@@ -33,6 +32,7 @@ try:
 except ImportError:  # a CPU-only install: the GPU path falls back to the PyTorch one
     triton = None
 
+Outputs = tuple[Tensor, Tensor, Tensor, Tensor]
 BLOCK_T = 64
 BLOCK_M = 16  # tl.dot's smallest tile: rows beyond M are padding
 
@@ -134,17 +134,21 @@ def run_kernels(rows: Tensor, k_packed: Tensor, k_scale: Tensor, k_zero: Tensor,
     return weights, row_max.view(b, h, m), block_sum.sum(1).view(b, h, m), block_out.sum(1).view(b, h, m, d)
 
 
-@torch.library.custom_op("specache::lowbit_partial_attention_triton", mutates_args=())
-def _op(rows: Tensor, k_packed: Tensor, k_scale: Tensor, k_zero: Tensor, v_packed: Tensor, v_scale: Tensor,
-        v_zero: Tensor, bits: int, group: int, visible_len: Tensor, excluded_pos: Tensor,
-        excluded_valid: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return run_kernels(rows, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group, visible_len,
-                       excluded_pos, excluded_valid)
+def _serve(rows: Tensor, k_packed: Tensor, k_scale: Tensor, k_zero: Tensor, v_packed: Tensor,
+           v_scale: Tensor, v_zero: Tensor, bits: int, group: int, visible_len: Tensor,
+           excluded_pos: Tensor, excluded_valid: Tensor) -> Outputs:
+    args = (rows, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group, visible_len,
+            excluded_pos, excluded_valid)
+    if supports(rows, bits, group):
+        return run_kernels(*args)
+    return specache.lowbit_partial_attention_reference(*args)
 
 
-@_op.register_fake
-def _(rows, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group, visible_len, excluded_pos,
-      excluded_valid):
-    b, h, m, d = rows.shape
-    t = k_packed.shape[2]
-    return rows.new_empty(b, h, m, t), rows.new_empty(b, h, m), rows.new_empty(b, h, m), rows.new_empty(b, h, m, d)
+@lru_cache(maxsize=None)
+def register() -> bool:
+    """Make the Triton kernels serve `specache::lowbit_partial_attention` for CUDA tensors; False
+    without Triton or a CUDA device (the reference serves)."""
+    if not available():
+        return False
+    torch.library.register_kernel("specache::lowbit_partial_attention", "cuda", _serve)
+    return True

@@ -1,4 +1,5 @@
-"""SpeCache's choice of exact pairs on CPUs: a C kernel and its plain-PyTorch reference.
+"""SpeCache's choice of exact pairs on CPUs: a C kernel for the op `specache::top_positions` that
+specache.py defines (`top_positions_reference` there is the spec):
 
     top_positions(weights, scale, p_fetched, fetched_pos, p_window, window_start, s, row, gqa_max,
                   lower, upper, excluded_pos, excluded_valid, k) -> (indices, valid)
@@ -13,20 +14,18 @@ attention gives them, and returns each KV head's k best candidates, best first:
     candidate       = lower <= t < upper[b], and t not a valid excluded_pos[b,h,:]
     indices         = the k candidates of highest ranking; valid: false where fewer than k exist
 
-(kernels/attention.py's `row_position_weights` and `over_query_heads` give the same ranking from
-LowBitPart and Merged; G = M / S query heads share a KV head.) Ties go to the earlier position in
-the C kernel; the reference's torch.topk breaks them its own way. Invalid entries point at
-position 0 in the kernel and at any non-candidate in the reference; callers ignore them.
+(G = M / S query heads share a KV head.) Ties go to the earlier position in the C kernel; the
+reference's torch.topk breaks them its own way. Invalid entries point at position 0 in the kernel
+and at any non-candidate in the reference; callers ignore them.
 
 The C kernel (kernels/rank_cpu.c) reads each query head's weights once, over the candidate range
-only, and keeps the best k in a heap. It is the op `specache::top_positions`, one opaque call under
-torch.compile, dispatched in C++ (kernels/cpu_ops.cpp) where that builds. Without gcc,
-`available()` is False and the reference runs; SPECACHE_NO_CPU_KERNEL=1 forces that.
+only, and keeps the best k in a heap. `register()` builds it at first use and registers it for CPU
+tensors, dispatched in C++ (kernels/cpu_ops.cpp) where that builds, else through ctypes. Without
+gcc it returns False and the reference serves; SPECACHE_NO_CPU_KERNEL=1 forces that.
 """
 import ctypes
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -71,37 +70,6 @@ def _check(weights: Tensor, scale: Tensor, p_fetched: Tensor, fetched_pos: Tenso
         fail("all tensors must be on one device")
 
 
-def top_positions_reference(weights: Tensor, scale: Tensor, p_fetched: Tensor, fetched_pos: Tensor, p_window: Tensor,
-                            window_start: Tensor, s: int, row: int, gqa_max: bool, lower: int, upper: Tensor,
-                            excluded_pos: Tensor, excluded_valid: Tensor, k: int) -> Outputs:
-    """The module docstring's definition in plain PyTorch: weights per query head, their max or
-    mean, the candidates, torch.topk."""
-    _check(weights, scale, p_fetched, fetched_pos, p_window, window_start, s, row, upper, excluded_pos,
-           excluded_valid, k)
-    b, h, m, t = weights.shape
-
-    def pick(x: Tensor) -> Tensor:  # (B, Hkv, G, N): row `row` of each query head
-        return x.reshape(b, h, m // s, s, -1)[:, :, :, row]
-
-    position = torch.arange(t, device=weights.device)
-    weight = pick(weights) * pick(scale.reshape(b, h, m, 1))
-    if t:
-        fetched = fetched_pos.clamp(0, t - 1)[:, :, None].expand(-1, -1, m // s, -1)
-        window_pos = window_start[:, None] + torch.arange(p_window.shape[-1], device=weights.device)
-        p_window_seen = pick(p_window) * (window_pos < t)[:, None, None, :]  # positions beyond the copy: no place
-        weight = (weight.scatter_add(-1, fetched, pick(p_fetched))
-                  .scatter_add(-1, window_pos.clamp(max=t - 1)[:, None, None, :].expand_as(p_window_seen),
-                               p_window_seen))
-    ranking = weight.amax(2) if gqa_max else weight.mean(2)
-    # counted, not scattered as booleans: an invalid slot may repeat a valid slot's position
-    hits = torch.zeros(b, h, t, dtype=torch.int32, device=weights.device)
-    in_range = excluded_valid & (excluded_pos >= 0) & (excluded_pos < t)
-    hits = hits.scatter_add(-1, excluded_pos.clamp(0, max(t - 1, 0)), in_range.to(torch.int32))
-    candidates = (position >= lower) & (position < upper[:, None, None]) & (hits == 0)
-    top = ranking.masked_fill(~candidates, -1.0).topk(k, dim=-1)
-    return top.indices, top.values >= 0
-
-
 class _Problem(ctypes.Structure):
     """The C file's Problem struct, field for field."""
     _fields_ = [(name, ctypes.c_void_p) for name in
@@ -118,21 +86,6 @@ def build(flags: tuple[str, ...] = cpu_build.FLAGS) -> Path:
 
 def load(path: Path) -> ctypes.CDLL:
     return cpu_build.load(path, "top_positions", _Problem)
-
-
-@lru_cache(maxsize=None)
-def _library() -> Optional[ctypes.CDLL]:
-    lib = cpu_build.build_and_load(SOURCE, "top_positions", _Problem,
-                                   "the CPU ranking kernel is unavailable, the PyTorch reference serves")
-    if lib is not None:
-        cpu_ops.hand_over("top_positions", lib.top_positions)  # C++ dispatch where it builds
-    return lib
-
-
-@torch.compiler.assume_constant_result
-def available() -> bool:
-    """Whether the C kernel can run (builds it on first call). Under torch.compile, read once at tracing."""
-    return cpu_build.enabled() and _library() is not None
 
 
 def run_kernel(lib: ctypes.CDLL, weights: Tensor, scale: Tensor, p_fetched: Tensor, fetched_pos: Tensor,
@@ -156,39 +109,16 @@ def run_kernel(lib: ctypes.CDLL, weights: Tensor, scale: Tensor, p_fetched: Tens
     return indices, valid
 
 
-def _op(weights: Tensor, scale: Tensor, p_fetched: Tensor, fetched_pos: Tensor, p_window: Tensor,
-        window_start: Tensor, s: int, row: int, gqa_max: bool, lower: int, upper: Tensor, excluded_pos: Tensor,
-        excluded_valid: Tensor, k: int) -> Outputs:
-    lib = _library()
-    args = (weights, scale, p_fetched, fetched_pos, p_window, window_start, s, row, gqa_max, lower, upper,
-            excluded_pos, excluded_valid, k)
-    on_cpu = weights.device.type == "cpu"
-    return run_kernel(lib, *args) if lib is not None and on_cpu else top_positions_reference(*args)
-
-
-_LIBRARY = torch.library.Library("specache", "FRAGMENT")
-_LIBRARY.define("top_positions(Tensor weights, Tensor scale, Tensor p_fetched, Tensor fetched_pos, Tensor p_window, "
-                "Tensor window_start, int s, int row, bool gqa_max, int lower, Tensor upper, Tensor excluded_pos, "
-                "Tensor excluded_valid, int k) -> (Tensor, Tensor)")
-_LIBRARY.impl("top_positions", _op, "CompositeExplicitAutograd")  # kernels/cpu_ops.cpp overrides it for CPU
-
-
-@torch.library.register_fake("specache::top_positions")
-def _(weights, scale, p_fetched, fetched_pos, p_window, window_start, s, row, gqa_max, lower, upper, excluded_pos,
-      excluded_valid, k):
-    _check(weights, scale, p_fetched, fetched_pos, p_window, window_start, s, row, upper, excluded_pos,
-           excluded_valid, k)
-    b, h = weights.shape[:2]
-    return weights.new_empty(b, h, k, dtype=torch.int64), weights.new_empty(b, h, k, dtype=torch.bool)
-
-
-def top_positions(weights: Tensor, scale: Tensor, p_fetched: Tensor, fetched_pos: Tensor, p_window: Tensor,
-                  window_start: Tensor, s: int, row: int, gqa_max: bool, lower: int, upper: Tensor,
-                  excluded_pos: Tensor, excluded_valid: Tensor, k: int) -> Outputs:
-    """(indices (B, Hkv, k) int64, valid (B, Hkv, k) bool), as in the module docstring: the C kernel
-    for CPU tensors when it is available, else the reference."""
-    args = (weights, scale, p_fetched, fetched_pos, p_window, window_start, s, row, gqa_max, lower, upper,
-            excluded_pos, excluded_valid, k)
-    if weights.device.type == "cpu" and available():
-        return torch.ops.specache.top_positions(*args)
-    return top_positions_reference(*args)
+@lru_cache(maxsize=None)
+def register() -> bool:
+    """Build the C kernel (once) and make it serve `specache::top_positions` for CPU tensors; False
+    where it cannot (the reference serves)."""
+    if not cpu_build.enabled():
+        return False
+    lib = cpu_build.build_and_load(SOURCE, "top_positions", _Problem,
+                                   "the CPU ranking kernel is unavailable, the reference serves")
+    if lib is None:
+        return False
+    if not cpu_ops.hand_over("top_positions", lib.top_positions):
+        torch.library.register_kernel("specache::top_positions", "cpu", partial(run_kernel, lib))
+    return True

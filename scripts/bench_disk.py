@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from caches import FullCache, make_cache  # noqa: E402
 from config import transformer_configs  # noqa: E402
 from disk_tier import IO_THREADS  # noqa: E402
-from generate import exit_on_signal, generate, weight_bytes  # noqa: E402
+from generate import GenerateOptions, exit_on_signal, generate, weight_bytes  # noqa: E402
 from scripts.bench import full_cache_bytes, measure_read_bandwidth, random_model, release_caches  # noqa: E402
 from scripts.harness import RESULTS_DIR, write_report  # noqa: E402
 from scripts.long_run import resident_bytes  # noqa: E402
@@ -131,8 +131,9 @@ def run_one(model, method: str, overlap: bool, length: int, steps: int, slow_tie
         ends.append(time.perf_counter())
 
     bandwidth_before = measure_read_bandwidth()
-    result = generate(model, cache, [[0] * length], WARMUP + len(phases) * steps + 1, temperature=0,
-                      first_token=torch.zeros(1, 1, dtype=torch.long), callback=callback)
+    options = GenerateOptions(first_token=torch.zeros(1, 1, dtype=torch.long))
+    result = generate(model, cache, [[0] * length], WARMUP + len(phases) * steps + 1, callback=callback,
+                      options=options)
     bandwidth = (bandwidth_before + measure_read_bandwidth()) / 2
     fast = full_cache_bytes(model) if full else result.stats["fast_tier_bytes"]
     ram_bytes = weight_bytes(model) + cache.step_bytes([length + WARMUP + steps])

@@ -32,12 +32,12 @@ import torch.nn as nn
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from caches import LOW_BIT_KINDS, equal_budget_tokens, make_cache, parse_method, specache_config  # noqa: E402
+from caches import LOW_BIT_KINDS, equal_budget_tokens, flex_attention_available, make_cache, parse_method  # noqa: E402
 from checkpoint import load_model, resolve_checkpoint  # noqa: E402
 from eviction import prompt_attention_mass  # noqa: E402
-from generate import COMPILED_CAPACITY_STEP, GenerationResult, compile_decode, generate, prefill  # noqa: E402
-from model import Transformer, flex_attention_available, prompt_attention  # noqa: E402
-from specache import SpeCacheConfig  # noqa: E402
+from generate import COMPILED_CAPACITY_STEP, GenerateOptions, GenerationResult, compile_decode, generate, prefill  # noqa: E402
+from model import Transformer, prompt_attention  # noqa: E402
+from specache import Method, SpeCacheConfig  # noqa: E402
 from tokenizer import Tokenizer, get_tokenizer  # noqa: E402
 
 DEFAULT_METHODS = ("full", "specache-1bit", "specache-2bit", "kivi-1bit", "kivi-2bit", "streaming", "h2o")
@@ -92,13 +92,14 @@ class Runner:
         if compile:  # one compiled layer serves every method (split its graph if any method's step must),
             # or with `whole_step` on a CPU each method's whole step (minutes of compiling per method and capacity)
             device = model.tok_embeddings.weight.device
-            low_bit = [specache_config(kind, bits, select, topk, stats=stats)
-                       for kind, bits, select in self.kinds.values() if kind in LOW_BIT_KINDS]
-            compile_decode(model, fullgraph=not any(c.splits_graph_on(device) for c in low_bit),
+            # beside a GPU, SpeCache hands its fetches over at graph breaks around each layer
+            low_bit = any(kind in LOW_BIT_KINDS for kind, _, _ in self.kinds.values())
+            compile_decode(model, fullgraph=not (low_bit and device.type == "cuda"),
                            whole_step=whole_step and device.type == "cpu")
 
     def budget(self, capacity: int) -> int:
-        return equal_budget_tokens(self.model, capacity, SpeCacheConfig(bits=self.budget_bits, topk=self.topk))
+        config = SpeCacheConfig(Method(bits=self.budget_bits, topk=self.topk))
+        return equal_budget_tokens(self.model, capacity, config)
 
     def capacity(self, prompt: list[int], max_new_tokens: int) -> int:
         return -(-(len(prompt) + max_new_tokens) // self.capacity_step) * self.capacity_step
@@ -133,11 +134,11 @@ class Runner:
     @torch.no_grad()
     def decode(self, method: str, prompt: list[int], prefilled: Prefilled, max_new_tokens: int,
                batch_size: int = 1, overlap_fetch: bool = True,
-               callback: Optional[Callable[[Tensor], None]] = None, **options) -> GenerationResult:
+               callback: Optional[Callable[[Tensor], None]] = None, **cache_options) -> GenerationResult:
         """Load the recorded prompt into `method`'s cache (`batch_size` copies of it) and decode
         from the first token. `overlap_fetch=False`: SpeCache waits for each fetch as it starts (a GPU
         or the disk tier). `callback` gets each new token (B, 1), the first one included, as
-        generate's does. `options`: other SpeCacheConfig fields (slow_tier, slow_tier_dir)."""
+        generate's does. `cache_options`: make_cache's (slow_tier, slow_tier_dir)."""
         model, capacity = self.model, self.capacity(prompt, max_new_tokens)
         device = model.tok_embeddings.weight.device
         kind = self.kinds[method][0]
@@ -146,14 +147,14 @@ class Runner:
         budget = self.budget(len(prompt) + max_new_tokens) if kind in ("streaming", "h2o") else None
         cache = make_cache(method, model, batch_size, capacity, topk=self.topk, stats=self.stats,
                            overlap_fetch=overlap_fetch, budget_tokens=budget, sink_tokens=self.sink_tokens,
-                           use_flex=self.compiled and flex_attention_available(device), **options)
+                           use_flex=self.compiled and flex_attention_available(device), **cache_options)
         tokens = torch.tensor([prompt] * batch_size, device=device)
         cache.begin(tokens, torch.full((batch_size,), len(prompt), device=device))
         cache.ingest([(rec.k.expand(batch_size, -1, -1, -1), rec.v.expand(batch_size, -1, -1, -1),
                        None if rec.mass is None else rec.mass * batch_size) for rec in prefilled.recorders])
-        return generate(model, cache, [prompt] * batch_size, max_new_tokens, stop_ids=self.stop_ids, temperature=0,
-                        first_token=prefilled.first.expand(batch_size, 1),
-                        **({} if callback is None else dict(callback=callback)))
+        options = GenerateOptions(first_token=prefilled.first.expand(batch_size, 1))
+        return generate(model, cache, [prompt] * batch_size, max_new_tokens, stop_ids=self.stop_ids,
+                        options=options, **({} if callback is None else dict(callback=callback)))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -50,6 +50,15 @@ def make_tiny_hf_model(kind: str, seed: int = 0):
     return model.eval()
 
 
+def specache_config(select: str = "default", pair_dtype: torch.dtype = None, overlap_fetch: bool = True,
+                    **method):
+    """A SpeCacheConfig from specache.Method's fields, a --specache_select value and the exact pairs'
+    dtype (default: 16-bit)."""
+    from specache import Method, Placement, Selection, SpeCacheConfig
+
+    return SpeCacheConfig(Method(**method), Selection.parse(select), Placement(pair_dtype, overlap_fetch))
+
+
 def tiny_model(seed: int = 0, **overrides) -> Transformer:
     """Our own tiny random model (GQA), for tests that need no HF reference."""
     torch.manual_seed(seed)
@@ -131,3 +140,12 @@ def fixed_seed():
     """Every test draws from the same seed: torch seeds its default generator at random in each
     process, so a test that draws without a generator would see new inputs on every run."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def specache_kernels():
+    """The C kernels (and on a GPU the Triton ones) serve specache.py's ops where they build, as
+    they do once caches.py has plugged SpeCache into a model."""
+    from caches import accelerate_specache
+
+    accelerate_specache()

@@ -6,6 +6,8 @@ quantized span [0, Lq) from the stored 16-bit pairs, overlays the exact position
 prefetched, real picks, window, the new rows) and takes one float32 softmax over everything.
 Only models whose layers all attend over the whole context are supported.
 """
+from types import SimpleNamespace
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -184,7 +186,11 @@ def lookup_guess(history, logits_row):
 
 
 class ReferenceDecoder:
-    def __init__(self, model, cfg, max_seq_length):
+    def __init__(self, model, config, max_seq_length, oracle=None):
+        """`config`: a specache.SpeCacheConfig, read field by field; `oracle`: "error" or "mass"
+        (the real row chooses all k pairs from its exact scores), or None."""
+        cfg = SimpleNamespace(**vars(config.method), **vars(config.selection),
+                              pair_dtype=config.placement.pair_dtype, oracle=oracle)
         self.model, self.cfg = model, cfg
         g = cfg.group
         self.capacity = (max_seq_length + g - 1) // g * g

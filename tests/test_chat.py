@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from caches import FullCache
-from generate import generate
-from specache import SpeCache, SpeCacheConfig
+from caches import FullCache, PluggedSpeCache
+from conftest import specache_config
+from generate import GenerateOptions, generate
 from tokenizer import get_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,16 +41,16 @@ def test_three_turns_through_stdin(smollm2_checkpoint, smollm2_model, cache):
     model, expected, stop = smollm2_model, [], frozenset(tokenizer.stop_ids)
     prompt = tokenizer.encode_chat(TURNS[0])
     if cache == "specache":
-        config = SpeCacheConfig(topk=16, group=16, residual=16)
-        conversation_cache, held = SpeCache(model, 1, 4096, config), 0
+        config = specache_config(topk=16, group=16, residual=16)
+        conversation_cache, held = PluggedSpeCache(model, 1, 4096, config), 0
     for turn in TURNS:
         if cache == "full":
             answer = generate(model, FullCache(model, 1, 4096), [prompt], NEW_TOKENS, temperature=0,
                               stop_ids=stop).tokens[0]
             context = prompt + answer
         else:
-            answer = generate(model, conversation_cache, [prompt[held:]], NEW_TOKENS, temperature=0, held=held,
-                              keep=True, stop_ids=stop).tokens[0]
+            answer = generate(model, conversation_cache, [prompt[held:]], NEW_TOKENS, temperature=0,
+                              options=GenerateOptions(held=held, keep=True), stop_ids=stop).tokens[0]
             context = prompt + answer
             held = len(context) - 1
         expected.append(shown(tokenizer, answer))

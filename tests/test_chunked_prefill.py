@@ -6,17 +6,14 @@ history exactly: the full cache, SpeCache with fp32 pairs and k at least the con
 independent reference decoder (tests/reference_decoder.py) where k < context makes the history
 that decode steps wrote differ from a prefill's.
 """
-import dataclasses
-
 import pytest
 import torch
 
-from caches import FullCache, make_cache
-from conftest import tiny_model
-from generate import generate
-from model import attention_after_history, attention_with_lse, attention_with_lse_reference
+from caches import FullCache, PluggedSpeCache, make_cache
+from conftest import specache_config, tiny_model
+from generate import GenerateOptions, generate
 from reference_decoder import ReferenceDecoder
-from specache import SpeCache, SpeCacheConfig
+from specache import attention_after_history, attention_with_lse, attention_with_lse_reference
 from test_reference_decoder import TINY_ATOL, TINY_MIN_GAP, spread_prompt
 from test_specache import HYBRID, ROOMY, SMALL, prompts_of
 
@@ -53,16 +50,16 @@ def test_attention_after_history_is_one_softmax_over_everything():
 
 def exact_specache(model, batch):
     """k beyond the context, fp32 pairs: every position reads exactly what the full cache holds."""
-    return SpeCache(model, batch, ROOMY, SpeCacheConfig(topk=256, pair_dtype=torch.float32, **SMALL))
+    return PluggedSpeCache(model, batch, ROOMY, specache_config(topk=256, pair_dtype=torch.float32, **SMALL))
 
 
 CACHES = {
     "full": lambda model, batch: FullCache(model, batch, 200),
     "specache-exact": exact_specache,
     # k < context: chunks change nothing in what is stored, so the decode that follows is the same
-    "specache-k8-fp32pairs": lambda model, batch: SpeCache(model, batch, ROOMY, SpeCacheConfig(
+    "specache-k8-fp32pairs": lambda model, batch: PluggedSpeCache(model, batch, ROOMY, specache_config(
         topk=8, pair_dtype=torch.float32, **SMALL)),
-    "specache-nospec-k8-fp32pairs": lambda model, batch: SpeCache(model, batch, ROOMY, SpeCacheConfig(
+    "specache-nospec-k8-fp32pairs": lambda model, batch: PluggedSpeCache(model, batch, ROOMY, specache_config(
         topk=8, speculative=False, pair_dtype=torch.float32, **SMALL)),
 }
 
@@ -79,16 +76,17 @@ def test_a_prompt_in_chunks_gives_the_tokens_of_one_piece(cache, layout):
     whole = generate(model, CACHES[cache](model, 3), prompts, 20, temperature=0)
     for chunk in (16, 37):
         assert generate(model, CACHES[cache](model, 3), prompts, 20, temperature=0,
-                        prefill_chunk=chunk).tokens == whole.tokens, chunk
+                        options=GenerateOptions(prefill_chunk=chunk)).tokens == whole.tokens, chunk
 
 
 def test_compiled_prefill_in_chunks_gives_the_eager_tokens():
     """--compile_prefill compiles the model's pass of each chunk (the full cache)."""
     model = tiny_model()
     prompts = prompts_of(45, 83)
-    eager = generate(model, FullCache(model, 2, 120), prompts, 8, temperature=0, prefill_chunk=32)
-    compiled = generate(model, FullCache(model, 2, 120), prompts, 8, temperature=0, prefill_chunk=32,
-                        compile_prefill=True)
+    eager = generate(model, FullCache(model, 2, 120), prompts, 8, temperature=0,
+                     options=GenerateOptions(prefill_chunk=32))
+    compiled = generate(model, FullCache(model, 2, 120), prompts, 8, temperature=0,
+                        options=GenerateOptions(prefill_chunk=32, compile_prefill=True))
     assert compiled.tokens == eager.tokens
 
 
@@ -96,12 +94,13 @@ def converse(model, cache, first_prompt, turns, new_tokens, prefill_chunk=None):
     """Greedy answers to `first_prompt` and then each of `turns` on top of the cache; each turn's
     prompt starts with the last answer's last token (not in the cache yet). Also the whole
     conversation's tokens before the last answer."""
-    answer = generate(model, cache, [first_prompt], new_tokens, temperature=0, keep=True).tokens[0]
+    answer = generate(model, cache, [first_prompt], new_tokens, temperature=0,
+                      options=GenerateOptions(keep=True)).tokens[0]
     conversation, answers = first_prompt + answer, [answer]
     for turn in turns:
         prompt = [answer[-1]] + turn
-        answer = generate(model, cache, [prompt], new_tokens, temperature=0, held=len(conversation) - 1,
-                          prefill_chunk=prefill_chunk, keep=True).tokens[0]
+        options = GenerateOptions(held=len(conversation) - 1, prefill_chunk=prefill_chunk, keep=True)
+        answer = generate(model, cache, [prompt], new_tokens, temperature=0, options=options).tokens[0]
         conversation += turn + answer
         answers.append(answer)
     return answers, conversation[: -len(answer)]
@@ -135,7 +134,7 @@ def test_a_turn_on_top_matches_the_reference_decoder(case, prefill_chunk):
     select, bits, speculative, topk = REFERENCE_CASES[case]
     if topk == 0 and prefill_chunk:
         pytest.skip("KIVI's chunks read each other in low bits")
-    config = SpeCacheConfig(bits=bits, topk=topk, speculative=speculative, **SMALL).with_select(select)
+    config = specache_config(select, bits=bits, topk=topk, speculative=speculative, **SMALL)
     model = tiny_model(0)  # seed 0: the closest call in a top-k is 6e-5 here (seed 14 has exact ties)
     generator = torch.Generator().manual_seed(0)
     first, turn = spread_prompt(70, generator), spread_prompt(40, generator)
@@ -143,11 +142,12 @@ def test_a_turn_on_top_matches_the_reference_decoder(case, prefill_chunk):
     logits = []
     hook = model.output.register_forward_hook(lambda module, args, out: logits.append(out.detach().float().clone()))
     try:
-        cache = SpeCache(model, 1, capacity, config)
-        answer = generate(model, cache, [first], 20, temperature=0, keep=True).tokens[0]
+        cache = PluggedSpeCache(model, 1, capacity, config)
+        answer = generate(model, cache, [first], 20, temperature=0, options=GenerateOptions(keep=True)).tokens[0]
         before = len(logits)
         prompt, held = [answer[-1]] + turn, len(first) + len(answer) - 1
-        second = generate(model, cache, [prompt], 25, temperature=0, held=held, prefill_chunk=prefill_chunk).tokens[0]
+        options = GenerateOptions(held=held, prefill_chunk=prefill_chunk)
+        second = generate(model, cache, [prompt], 25, temperature=0, options=options).tokens[0]
     finally:
         hook.remove()
     prefill_passes = -(-len(prompt) // (prefill_chunk or len(prompt)))
@@ -166,9 +166,9 @@ def test_a_conversation_on_the_disk_tier_equals_one_in_ram(tmp_path):
     """The files stay between turns (finish with keep), and go with the last finish."""
     model = tiny_model()
     first, *turns = prompts_of(70, 30, seed=5)
-    config = SpeCacheConfig(topk=8, **SMALL)
-    in_ram = converse(model, SpeCache(model, 1, 200, config), first, turns, 20, prefill_chunk=16)
-    on_disk = SpeCache(model, 1, 200, dataclasses.replace(config, slow_tier="disk", slow_tier_dir=str(tmp_path)))
+    config = specache_config(topk=8, **SMALL)
+    in_ram = converse(model, PluggedSpeCache(model, 1, 200, config), first, turns, 20, prefill_chunk=16)
+    on_disk = PluggedSpeCache(model, 1, 200, config, slow_tier="disk", slow_tier_dir=str(tmp_path))
     assert converse(model, on_disk, first, turns, 20, prefill_chunk=16) == in_ram
     assert len(list(tmp_path.iterdir())) == 1
     on_disk.finish()
@@ -177,18 +177,18 @@ def test_a_conversation_on_the_disk_tier_equals_one_in_ram(tmp_path):
 
 def test_a_continuation_must_start_where_the_cache_ends():
     model = tiny_model()
-    cache = SpeCache(model, 1, 200, SpeCacheConfig(topk=8, **SMALL))
-    generate(model, cache, prompts_of(50), 10, temperature=0, keep=True)  # holds 50 + 10 - 1 = 59
+    cache = PluggedSpeCache(model, 1, 200, specache_config(topk=8, **SMALL))
+    generate(model, cache, prompts_of(50), 10, temperature=0, options=GenerateOptions(keep=True))  # holds 59
     with pytest.raises(ValueError, match=r"holds \[59\] tokens per sequence, not 60"):
-        generate(model, cache, prompts_of(5), 10, temperature=0, held=60)
+        generate(model, cache, prompts_of(5), 10, temperature=0, options=GenerateOptions(held=60))
     with pytest.raises(ValueError, match="one sequence at a time"):
-        generate(model, cache, prompts_of(5, 6), 10, temperature=0, held=59)
+        generate(model, cache, prompts_of(5, 6), 10, temperature=0, options=GenerateOptions(held=59))
 
 
 @pytest.mark.parametrize("method", ["streaming", "h2o"])
 def test_eviction_caches_refuse_chunks_and_continuations(method):
     model = tiny_model()
     cache = make_cache(method, model, 1, 200, budget_tokens=32)
-    for options in (dict(prefill_chunk=16), dict(held=50)):
+    for options in (GenerateOptions(prefill_chunk=16), GenerateOptions(held=50)):
         with pytest.raises(ValueError, match="in one piece, from position 0"):
-            generate(model, cache, prompts_of(60), 5, temperature=0, **options)
+            generate(model, cache, prompts_of(60), 5, temperature=0, options=options)

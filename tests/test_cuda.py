@@ -3,12 +3,11 @@ scripts/gpu_check.sh runs these on a GPU machine."""
 import pytest
 import torch
 
-import offload
-from conftest import tiny_model
-from caches import FullCache
+import specache
+from caches import FullCache, PluggedSpeCache
+from conftest import specache_config, tiny_model
 from generate import compile_decode, generate
-from kernels.attention import mixed_attention, mixed_attention_reference
-from specache import SpeCache, SpeCacheConfig
+from specache_stats import Diagnostics
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SMALL = dict(group=16, residual=16)
@@ -20,12 +19,14 @@ def prompts_of(*lengths):
 
 
 def run(model, prompts, config, new_tokens=30, capacity=None):
-    cache = SpeCache(model, len(prompts), capacity or max(map(len, prompts)) + new_tokens, config)
+    cache = PluggedSpeCache(model, len(prompts), capacity or max(map(len, prompts)) + new_tokens, config)
     return generate(model, cache, prompts, new_tokens, temperature=0)
 
 
-def test_mixed_attention_on_cuda_matches_the_cpu_reference():
-    from test_kernels import lowbit_copy, segments
+def test_mixed_attention_on_cuda_matches_the_cpu_reference(specache_kernels):
+    """specache.py's ops on the GPU (the Triton kernels for the low-bit pass) against attention
+    spelled out over every key a row sees."""
+    from test_lowbit_copy import lowbit_copy, mixed_attention, mixed_attention_reference, segments
 
     kv, k, v = lowbit_copy(1, 64)
     seg = segments(kv, k, v, 2)
@@ -43,12 +44,11 @@ def test_mixed_attention_on_cuda_matches_the_cpu_reference():
 def test_specache_on_cuda_generates_what_it_generates_on_cpu(cache, layout, select):
     """Hybrid: sliding-window layers keep their rings on the GPU and fetch nothing, between layers
     whose fetches run in the background. The default selection also waits, inside the layer, for
-    the pairs the real row picks (offload.fetch_now); correct=0.99 discards most prefetches."""
+    the pairs the real row picks (the pinned tier's read); correct=0.99 discards most prefetches."""
     from test_specache import HYBRID
 
     shape = HYBRID if layout == "hybrid" else {}
-    config = SpeCacheConfig(topk=0 if cache == "kivi" else 8, speculative=cache == "specache", **SMALL)
-    config = config.with_select(select)
+    config = specache_config(select, topk=0 if cache == "kivi" else 8, speculative=cache == "specache", **SMALL)
     prompts = prompts_of(50, 83)
     on_cpu = run(tiny_model(**shape), prompts, config)
     model = tiny_model(**shape).cuda()
@@ -61,8 +61,8 @@ def test_specache_on_cuda_generates_what_it_generates_on_cpu(cache, layout, sele
 
 def test_waiting_for_each_fetch_changes_nothing():
     prompts = prompts_of(50, 83)
-    overlapped = run(tiny_model().cuda(), prompts, SpeCacheConfig(topk=8, **SMALL))
-    waited = run(tiny_model().cuda(), prompts, SpeCacheConfig(topk=8, overlap_fetch=False, **SMALL))
+    overlapped = run(tiny_model().cuda(), prompts, specache_config(topk=8, **SMALL))
+    waited = run(tiny_model().cuda(), prompts, specache_config(topk=8, overlap_fetch=False, **SMALL))
     assert waited.tokens == overlapped.tokens
 
 
@@ -70,20 +70,20 @@ def test_fetching_everything_on_cuda_reproduces_the_full_cache():
     model = tiny_model().cuda()
     prompts = prompts_of(45, 83)
     full = generate(model, FullCache(model, 2, 83 + 40), prompts, 40, temperature=0)
-    config = SpeCacheConfig(topk=256, pair_dtype=torch.float32, **SMALL)
+    config = specache_config(topk=256, pair_dtype=torch.float32, **SMALL)
     assert run(model, prompts, config, 40, capacity=256).tokens == full.tokens  # room for a slot everywhere
 
 
 @pytest.mark.parametrize("cache, select", [("specache", "paper"), ("specache", "default"),
                                            ("specache-nospec", "default")])
 def test_compiled_cuda_decode_matches_eager(cache, select):
-    config = SpeCacheConfig(topk=8, speculative=cache == "specache", **SMALL).with_select(select)
+    config = specache_config(select, topk=8, speculative=cache == "specache", **SMALL)
     model = tiny_model().cuda()
     prompts = prompts_of(50, 71)
     eager = run(model, prompts, config)
     torch._dynamo.reset()
-    # a step that waits for a fetch (the real row's picks) breaks the graph on a GPU
-    compile_decode(model, fullgraph=not config.splits_graph_on(torch.device("cuda")))
+    # the pinned tier's hand-offs (the prefetch landed and started, the picks read) break the graph
+    compile_decode(model, fullgraph=False)
     assert run(model, prompts, config).tokens == eager.tokens
     torch._dynamo.reset()
 
@@ -95,14 +95,16 @@ def test_repeated_generations_on_cuda_are_identical(speculative, bits, batch):
     """tests/test_specache.py's test on the GPU: three generations on one setup (k below the
     context, window flushes), identical tokens and statistics, and the CPU's tokens."""
     prompts = prompts_of(*[50, 97, 130][:batch])
-    config = SpeCacheConfig(bits=bits, topk=8, speculative=speculative, stats=True, **SMALL)
+    config = specache_config(bits=bits, topk=8, speculative=speculative, **SMALL)
     model = tiny_model().cuda()
-    cache = SpeCache(model, batch, 130 + 40, config)
+    probe = Diagnostics(model.config.n_layer, model.config.n_local_heads, torch.device("cuda"))
+    cache = PluggedSpeCache(model, batch, 130 + 40, config, probe=probe)
     runs = [generate(model, cache, prompts, 40, temperature=0) for _ in range(3)]
     assert runs[0].tokens == runs[1].tokens == runs[2].tokens
     assert runs[0].stats == runs[1].stats == runs[2].stats
     cpu = tiny_model()
-    assert generate(cpu, SpeCache(cpu, batch, 130 + 40, config), prompts, 40, temperature=0).tokens == runs[0].tokens
+    on_cpu = generate(cpu, PluggedSpeCache(cpu, batch, 130 + 40, config), prompts, 40, temperature=0)
+    assert on_cpu.tokens == runs[0].tokens
 
 
 @pytest.mark.parametrize("whole_step", [False, True])
@@ -118,12 +120,12 @@ def test_full_cache_flex_decode_on_cuda_matches_cpu(whole_step):
 
 
 def test_an_error_in_the_fetch_worker_surfaces_within_one_step(monkeypatch):
-    def broken(self, ready):
+    def broken(self, ready, kappa):
         raise RuntimeError("injected fetch failure")
 
-    monkeypatch.setattr(offload.PairFetcher, "_fetch", broken)
+    monkeypatch.setattr(specache.PinnedTier, "_fetch", broken)
     model, prompts, tokens_seen = tiny_model().cuda(), prompts_of(50), []
-    cache = SpeCache(model, 1, 80, SpeCacheConfig(topk=8, **SMALL))
+    cache = PluggedSpeCache(model, 1, 80, specache_config(topk=8, **SMALL))
     with pytest.raises(RuntimeError, match="injected fetch failure"):
         generate(model, cache, prompts, 20, temperature=0, callback=tokens_seen.append)
     assert len(tokens_seen) == 1  # the bootstrap step started the fetches; the first decode step waited on them

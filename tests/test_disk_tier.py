@@ -1,6 +1,5 @@
 """The disk slow tier (disk_tier.py) against the RAM one: the same tokens and logits, files that
 exist only while a generation runs, and one clear error when the disk fails."""
-import dataclasses
 import errno
 import mmap
 import os
@@ -20,30 +19,39 @@ from disk_tier import SlowTierError
 from generate import generate, main
 from scripts.harness import Runner
 from scripts.haystack import needle_prompt
-from specache import SpeCache, SpeCacheConfig
+from caches import PluggedSpeCache
+from conftest import specache_config
+from specache_stats import Diagnostics
 from tokenizer import get_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 24
 # ragged, with window flushes (g = R = 16): sequence b's pairs sit at offset b x capacity in each file
 LENGTHS = (70, 47, 130)
+SMALL = dict(topk=8, group=16, residual=16)
+# name: (config, with the diagnostics)
 CONFIGS = {
-    "default-1bit": SpeCacheConfig(bits=1, topk=8, group=16, residual=16),
-    "default-2bit-stats": SpeCacheConfig(bits=2, topk=8, group=16, residual=16, stats=True),
-    "paper-1bit-waited": SpeCacheConfig(bits=1, topk=8, group=16, residual=16, overlap_fetch=False).with_select(
-        "paper"),
-    "paper-2bit": SpeCacheConfig(bits=2, topk=8, group=16, residual=16).with_select("paper"),  # no reuse
-    "nospec-1bit": SpeCacheConfig(bits=1, topk=8, group=16, residual=16, speculative=False),
+    "default-1bit": (specache_config(bits=1, **SMALL), False),
+    "default-2bit-stats": (specache_config(bits=2, **SMALL), True),
+    "paper-1bit-waited": (specache_config("paper", bits=1, overlap_fetch=False, **SMALL), False),
+    "paper-2bit": (specache_config("paper", bits=2, **SMALL), False),  # no reuse
+    "nospec-1bit": (specache_config(bits=1, speculative=False, **SMALL), False),
 }
 
 
-def tiny_run(config, tmp_path=None, lengths=LENGTHS, callback=lambda tokens: None):
+def disk_cache(model, capacity, tmp_path, batch=1, config=None, stats=False):
+    """SpeCache with its slow tier on disk under tmp_path (None: in RAM)."""
+    probe = Diagnostics(model.config.n_layer, model.config.n_local_heads, torch.device("cpu")) if stats else None
+    where = dict(slow_tier="disk", slow_tier_dir=str(tmp_path)) if tmp_path is not None else {}
+    return PluggedSpeCache(model, batch, capacity, config or specache_config(bits=1, **SMALL), probe=probe, **where)
+
+
+def tiny_run(case, tmp_path=None, lengths=LENGTHS, callback=lambda tokens: None):
     """Tokens and every pass's logits of a ragged batch, with the RAM tier or (tmp_path) the disk one."""
     model = tiny_model(3)
-    if tmp_path is not None:
-        config = dataclasses.replace(config, slow_tier="disk", slow_tier_dir=str(tmp_path))
+    config, stats = case
     prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
-    cache = SpeCache(model, len(prompts), max(lengths) + NEW_TOKENS, config)
+    cache = disk_cache(model, max(lengths) + NEW_TOKENS, tmp_path, len(prompts), config, stats)
     logits = []
     hook = model.output.register_forward_hook(lambda module, args, out: logits.append(out.detach().clone()))
     try:
@@ -101,8 +109,7 @@ def test_ctrl_c_in_the_loop_removes_the_files_at_once(tmp_path):
 
 def test_a_second_begin_replaces_the_folder(tmp_path):
     model = tiny_model(3)
-    config = SpeCacheConfig(bits=1, topk=8, group=16, residual=16, slow_tier="disk", slow_tier_dir=str(tmp_path))
-    cache = SpeCache(model, 1, 200, config)
+    cache = disk_cache(model, 200, tmp_path)
     cache.begin(torch.zeros(1, 60, dtype=torch.long), torch.tensor([60]))
     first = list(tmp_path.iterdir())
     cache.begin(torch.zeros(1, 60, dtype=torch.long), torch.tensor([60]))
@@ -113,8 +120,7 @@ def test_a_second_begin_replaces_the_folder(tmp_path):
 
 def test_the_files_exist_while_a_generation_runs_and_one_process_never_shares_them(tmp_path):
     model = tiny_model(3)
-    config = SpeCacheConfig(bits=1, topk=8, group=16, residual=16, slow_tier="disk", slow_tier_dir=str(tmp_path))
-    caches = [SpeCache(model, 1, 200, config) for _ in range(2)]
+    caches = [disk_cache(model, 200, tmp_path) for _ in range(2)]
     seen = []
 
     def look(tokens):

@@ -8,7 +8,8 @@ from caches import FullCache, equal_budget_tokens
 from eviction import EvictionCache, EvictionConfig, EvictionLayer, EvictionState, prompt_attention_mass
 from generate import generate
 from model import CausalPrompt
-from specache import SpeCache, SpeCacheConfig
+from caches import PluggedSpeCache
+from conftest import specache_config
 
 
 def prompt(n: int, seed: int = 1) -> list[int]:
@@ -120,9 +121,9 @@ def test_decode_step_attends_exactly_over_the_kept_pairs():
 
 def test_equal_budget_matches_specache_fast_tier_bytes():
     model = tiny_model()
-    config = SpeCacheConfig(bits=1, group=32, residual=32, topk=16)
+    config = specache_config(bits=1, group=32, residual=32, topk=16)
     budget = equal_budget_tokens(model, 1000, config)
-    specache_bytes = SpeCache(model, 1, 1000, config).layers[0].fast_tier_bytes()
+    specache_bytes = PluggedSpeCache(model, 1, 1000, config).layers[0].fast_tier_bytes()
     eviction_bytes = EvictionCache(model, 1, 1000, EvictionConfig("h2o", budget)).layers[0].fast_tier_bytes()
     per_token = eviction_bytes / budget
     assert specache_bytes - per_token < eviction_bytes <= specache_bytes

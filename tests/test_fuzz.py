@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from conftest import tiny_model
 from caches import FullCache
 from generate import generate
-from specache import SpeCache, SpeCacheConfig
+from caches import PluggedSpeCache
+from conftest import specache_config
 
 FUZZ = settings(max_examples=25, deadline=None, derandomize=True)
 
@@ -38,8 +39,8 @@ def test_fetching_every_position_reproduces_the_full_cache(case):
     full = generate(model, FullCache(model, len(prompts), context), prompts, new_tokens, temperature=0)
     # twice the context and more: room for a slot at every position (see specache_stats.fast_tier_plan)
     capacity = 2 * context + 128
-    config = SpeCacheConfig(topk=capacity, pair_dtype=torch.float32, **cache)
-    specache = SpeCache(model, len(prompts), capacity, config)
+    config = specache_config(topk=capacity, pair_dtype=torch.float32, **cache)
+    specache = PluggedSpeCache(model, len(prompts), capacity, config)
     assert specache.layers[0].k_spec + specache.layers[0].k_real >= context
     assert generate(model, specache, prompts, new_tokens, temperature=0).tokens == full.tokens
 
@@ -59,18 +60,18 @@ INVALID = st.one_of(
 def test_invalid_settings_are_refused_with_their_documented_error(invalid, head_dim):
     overrides, message = invalid
     model = tiny_model(n_layer=1, n_head=2, n_local_heads=1, dim=2 * head_dim)
-    config = SpeCacheConfig(**dict(dict(group=16, residual=16), **overrides))
+    config = specache_config(**dict(dict(group=16, residual=16), **overrides))
     with pytest.raises(ValueError, match=message):
-        SpeCache(model, 1, 64, config)
+        PluggedSpeCache(model, 1, 64, config)
 
 
 @FUZZ
 @given(st.sampled_from([4, 12, 20, 36]), st.sampled_from([1, 2]))
 def test_head_dims_that_do_not_fill_bytes_are_refused(head_dim, bits):
     model = tiny_model(n_layer=1, n_head=1, n_local_heads=1, dim=head_dim)
-    config = SpeCacheConfig(bits=bits, group=4, residual=4)
+    config = specache_config(bits=bits, group=4, residual=4)
     if head_dim * bits % 8 == 0:
-        SpeCache(model, 1, 16, config)
+        PluggedSpeCache(model, 1, 16, config)
     else:
         with pytest.raises(ValueError, match="whole bytes"):
-            SpeCache(model, 1, 16, config)
+            PluggedSpeCache(model, 1, 16, config)

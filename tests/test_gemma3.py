@@ -10,7 +10,8 @@ import torch
 from generate import generate
 from scripts.haystack import haystack_tokens
 from caches import FullCache
-from specache import SpeCache, SpeCacheConfig
+from caches import PluggedSpeCache
+from conftest import specache_config
 from tokenizer import get_tokenizer
 
 PROMPT_TOKENS, DECODE_STEPS = 600, 6
@@ -61,9 +62,9 @@ def test_specache_fetching_every_position_reproduces_the_full_cache(gemma3_model
     model, new_tokens = gemma3_model, 24
     full = generate(model, FullCache(model, 1, PROMPT_TOKENS + new_tokens), [prompt], new_tokens, temperature=0)
     for bits in (1, 2):
-        config = SpeCacheConfig(bits=bits, topk=1024, pair_dtype=torch.float32)
+        config = specache_config(bits=bits, topk=1024, pair_dtype=torch.float32)
         # twice the context: room for a slot at every position it quantizes (specache_stats.fast_tier_plan)
-        result = generate(model, SpeCache(model, 1, 2 * (PROMPT_TOKENS + new_tokens), config), [prompt], new_tokens,
-                          temperature=0)
+        cache = PluggedSpeCache(model, 1, 2 * (PROMPT_TOKENS + new_tokens), config)
+        result = generate(model, cache, [prompt], new_tokens, temperature=0)
         assert result.tokens == full.tokens, bits
         assert result.stats["sliding_window_layers"] == 15

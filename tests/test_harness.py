@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from caches import NAMED_METHODS, FullCache, parse_method, specache_config
+from caches import NAMED_METHODS, FullCache, make_cache, parse_method, specache_config
 from eviction import EvictionCache, EvictionConfig
 from generate import generate
 from scripts.harness import Runner, write_report
-from specache import SpeCache
 
 TOPK = 16
 
@@ -37,7 +36,7 @@ def test_shared_prefill_gives_each_method_its_own_generation(layout):
             cache = EvictionCache(model, 1, capacity, EvictionConfig(method, runner.budget(capacity)))
         else:
             kind, bits, select = parse_method(method)
-            cache = SpeCache(model, 1, capacity, specache_config(kind, bits, select, TOPK))
+            cache = make_cache(method, model, 1, capacity, topk=TOPK)
         alone = generate(model, cache, [prompt], new, stop_ids=stop)
         assert shared[method].tokens == alone.tokens[0], method
         assert shared[method].text == " ".join(str(t) for t in alone.tokens[0] if t != 5)
@@ -75,14 +74,20 @@ def test_prompt_format_auto_picks_chat_for_chat_tuned_names_only():
 
 def test_method_names_carry_a_selection():
     config = lambda method: specache_config(*parse_method(method), topk=64)
-    paper = config("specache-1bit:paper")
-    assert (paper.real_share, paper.gqa, paper.levels, paper.speculative) == (0.0, "mean", "minmax", True)
+    paper, oracle = config("specache-1bit:paper")
+    assert oracle is None and paper.method.speculative
+    assert (paper.selection.real_share, paper.selection.gqa, paper.selection.levels) == (0.0, "mean", "minmax")
     assert config("specache-1bit") == config("specache-1bit:default")
-    kivi = config("kivi-2bit")
-    assert (kivi.topk, kivi.bits, kivi.select_name()) == (0, 2, "paper")
-    nospec = config("specache-nospec-1bit:split,sinks=8")
-    assert (nospec.speculative, nospec.real_share, nospec.sinks) == (False, 0.5, 8)
+    kivi, _ = config("kivi-2bit")
+    assert (kivi.method.topk, kivi.method.bits, kivi.selection.name()) == (0, 2, "paper")
+    nospec, _ = config("specache-nospec-1bit:split,sinks=8")
+    assert (nospec.method.speculative, nospec.selection.real_share, nospec.selection.sinks) == (False, 0.5, 8)
+    # an oracle: diagnostics that choose all k within the step, on top of the selection named with it
+    mass, oracle = config("specache-1bit:oracle=mass,sinks=2")
+    assert oracle == "mass" and (mass.selection.real_share, mass.selection.sinks) == (1.0, 2)
+    assert config("specache-1bit:oracle")[1] == "error"
     for bad, message in [("full:paper", "unknown method"), ("specache-3bit", "unknown method"),
-                         ("specache-1bit:sideways", "unknown --specache_select entry")]:
+                         ("specache-1bit:sideways", "unknown --specache_select entry"),
+                         ("specache-1bit:oracle=maybe", "oracle must be error or mass")]:
         with pytest.raises(ValueError, match=message):
             parse_method(bad)

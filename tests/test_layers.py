@@ -9,14 +9,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # lowest first; scripts/ sit above everything and are never imported by the core
 LAYERS = [
-    ["kernels.quant", "kernels.cpu_build", "kernels.cpu_ops"],
+    ["specache", "config", "tokenizer"],
+    ["kernels.cpu_build", "kernels.cpu_ops"],
     ["kernels.lowbit_cpu", "kernels.lowbit_triton", "kernels.linear_cpu", "kernels.dense_cpu", "kernels.rank_cpu"],
-    ["kernels.attention"],
-    ["config", "tokenizer"],
     ["model"],
     ["quantize", "convert"],
-    ["offload", "disk_tier", "selection", "specache_stats"],
-    ["specache", "eviction"],
+    ["disk_tier", "specache_stats"],
+    ["eviction"],
     ["caches"],
     ["checkpoint"],
     ["options", "tp"],

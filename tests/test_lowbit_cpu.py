@@ -1,5 +1,6 @@
-"""kernels/lowbit_cpu: the C kernel (the -march=native build and a plain x86-64 one) against its
-PyTorch reference, the fallback, and the op under torch.compile.
+"""kernels/lowbit_cpu: the C kernel (the -march=native build and a plain x86-64 one) against
+specache.py's plain-PyTorch definition of the op, the op once the kernel is registered (and the
+reference for shapes the kernel does not take), and the op under torch.compile.
 
 Tolerances: the kernel folds scales into the query and the weights and adds in another order than
 dequantize-then-matmul. A score is a sum of D float32 products, so both are off from the exact one
@@ -16,10 +17,9 @@ import warnings
 import pytest
 import torch
 
+import specache
 from kernels import cpu_build, lowbit_cpu
-from kernels.quant import LowBitKV
-from kernels.lowbit_cpu import lowbit_partial_attention, lowbit_partial_attention_reference
-from kernels.quant import quantize_keys, quantize_values
+from specache import LowBitKV, quantize_keys, quantize_values
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc: only the reference exists")
 
@@ -36,9 +36,19 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def native():
-    lib = lowbit_cpu._library()
-    assert lib is not None, "gcc is here but the kernel did not build"
-    return lib
+    assert lowbit_cpu.register(), "gcc is here but the kernel did not build"
+    return lowbit_cpu.load(lowbit_cpu.build())
+
+
+def lowbit_partial_attention_reference(rows, kv, visible_len, excluded_pos, excluded_valid):
+    return specache.lowbit_partial_attention_reference(rows, *kv[:6], kv.bits, kv.group, visible_len, excluded_pos,
+                                                       excluded_valid)
+
+
+def lowbit_partial_attention(rows, kv, visible_len, excluded_pos, excluded_valid):
+    """The op, as specache.py calls it."""
+    return torch.ops.specache.lowbit_partial_attention(rows, *kv[:6], kv.bits, kv.group, visible_len, excluded_pos,
+                                                       excluded_valid)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +60,7 @@ def portable():
 
 
 def problem(bits=1, d=64, group=64, t=200, m=6, b=2, n_kv=2, scale_dtype=torch.float16, visible=None, seed=0):
-    """Rows, a low-bit copy of random K, V made by kernels.quant (keys quantized over whole groups,
+    """Rows, a low-bit copy of random K, V made by specache.py's quantizer (keys quantized over whole groups,
     then cut to T positions: the last group partial), a ragged visible_len and excluded positions:
     some valid, one invalid repeating a valid one's position, one valid beyond visible_len."""
     g = torch.Generator().manual_seed(seed)
@@ -132,38 +142,42 @@ def test_exp_is_accurate_to_a_few_ulps(native, portable):
         torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-37)  # ~3 ulp; the error seen is 1 ulp
 
 
-def test_public_function_uses_the_kernel_and_the_env_var_forces_the_reference(native, monkeypatch):
-    monkeypatch.delenv("SPECACHE_NO_CPU_KERNEL", raising=False)
+def test_the_op_runs_the_kernel_once_registered_and_the_reference_where_it_cannot(native):
     inputs = problem(1, 64, 64)
     want = lowbit_partial_attention_reference(*inputs)
     fast = lowbit_partial_attention(*inputs)
-    assert lowbit_cpu.available()
     assert_matches(fast, want)
     assert not all(torch.equal(x, y) for x, y in zip(fast, want))  # it is not the reference
-    monkeypatch.setenv("SPECACHE_NO_CPU_KERNEL", "1")
-    assert not lowbit_cpu.available()
-    assert all(torch.equal(x, y) for x, y in zip(lowbit_partial_attention(*inputs), want))
+    for odd in (dict(d=40, bits=2, group=40), dict(d=64, group=4)):  # shapes the kernel does not take
+        inputs = problem(t=150, **odd)
+        assert all(torch.equal(x, y) for x, y in zip(lowbit_partial_attention(*inputs),
+                                                     lowbit_partial_attention_reference(*inputs)))
 
 
 def test_cpp_dispatch_runs_the_same_kernel_as_the_python_one(native):
     """kernels/cpu_ops.cpp's implementation of the op (where g++ builds it) and the ctypes one."""
     inputs = problem(2, 128, 32)
-    rows, kv, *rest = inputs
-    via_op = torch.ops.specache.lowbit_partial_attention(rows, *kv[:6], kv.bits, kv.group, *rest)
-    assert all(torch.equal(x, y) for x, y in zip(via_op, lowbit_cpu.run_kernel(native, *inputs)))
+    assert all(torch.equal(x, y) for x, y in zip(lowbit_partial_attention(*inputs),
+                                                 lowbit_cpu.run_kernel(native, *inputs)))
 
 
-def test_without_gcc_available_is_false_with_one_warning(monkeypatch):
-    monkeypatch.setattr(cpu_build.shutil, "which", lambda name: None)
-    lowbit_cpu._library.cache_clear()
+@pytest.mark.parametrize("why", ["no gcc", "SPECACHE_NO_CPU_KERNEL=1"])
+def test_without_a_kernel_register_is_false_with_one_warning_at_most(native, monkeypatch, why):
+    if why == "no gcc":
+        monkeypatch.setattr(cpu_build.shutil, "which", lambda name: None)
+    else:
+        monkeypatch.setenv("SPECACHE_NO_CPU_KERNEL", "1")
+    lowbit_cpu.register.cache_clear()
     try:
-        with pytest.warns(UserWarning, match="unavailable"):
-            assert not lowbit_cpu.available()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # only one warning
-            assert not lowbit_cpu.available()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert not lowbit_cpu.register()
+            assert not lowbit_cpu.register()
+        assert len(caught) == (why == "no gcc") and all("unavailable" in str(w.message) for w in caught)
     finally:
-        lowbit_cpu._library.cache_clear()
+        lowbit_cpu.register.cache_clear()
+        monkeypatch.undo()
+        assert lowbit_cpu.register()
 
 
 def test_build_is_cached_by_content_in_xdg_cache_home(tmp_path, monkeypatch):
@@ -216,9 +230,9 @@ def test_non_contiguous_inputs_are_made_contiguous(native):
 BAD_INPUTS = {
     "rows float64": lambda r, kv, *x: (r.double(), kv, *x),
     "rows 3-d": lambda r, kv, *x: (r[0], kv, *x),
-    "head_dim 40": lambda r, kv, *x: (r[..., :40], kv, *x),
+    "rows of another head_dim": lambda r, kv, *x: (r[..., :40], kv, *x),
     "bits 3": lambda r, kv, *x: (r, kv._replace(bits=3), *x),
-    "group 12": lambda r, kv, *x: (r, kv._replace(group=12), *x),
+    "group of other key groups": lambda r, kv, *x: (r, kv._replace(group=12), *x),
     "float32 scales": lambda r, kv, *x: (r, kv._replace(k_scale=kv.k_scale.float()), *x),
     "value scales of other dtype": lambda r, kv, *x: (r, kv._replace(v_scale=kv.v_scale.bfloat16()), *x),
     "too few key groups": lambda r, kv, *x: (r, kv._replace(k_scale=kv.k_scale[:, :, 1:]), *x),
@@ -231,8 +245,9 @@ BAD_INPUTS = {
 
 @pytest.mark.parametrize("corrupt", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
 def test_bad_inputs_raise_value_error(native, corrupt):
+    """The checks that guard the kernel's reads and writes: in C++ (the op) and in Python (ctypes)."""
     inputs = corrupt(*problem(1, 64, 64))
     with pytest.raises(ValueError, match="lowbit_partial_attention"):
         lowbit_partial_attention(*inputs)
     with pytest.raises(ValueError, match="lowbit_partial_attention"):
-        lowbit_partial_attention_reference(*inputs)
+        lowbit_cpu.run_kernel(native, *inputs)

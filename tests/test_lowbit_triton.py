@@ -1,4 +1,4 @@
-"""The Triton kernels of the low-bit segment against the reference (kernels/lowbit_cpu.py's spec).
+"""The Triton kernels of the low-bit segment against specache.py's plain-PyTorch definition of the op.
 
 On a GPU they run for real (scripts/gpu_check.sh); on a CPU with Triton installed they run in
 Triton's interpreter, in a subprocess (TRITON_INTERPRET must be set before the kernels are
@@ -24,10 +24,8 @@ CASES = [(3, 6, 64, 1000, 930, 64), (8, 8, 128, 200, 200, 16), (2, 3, 64, 130, 6
 
 
 def check_all(device: str) -> None:
-    from kernels.quant import LowBitKV
-    from kernels.lowbit_cpu import lowbit_partial_attention_reference
     from kernels.lowbit_triton import run_kernels
-    from kernels.quant import quantize_keys, quantize_values
+    from specache import LowBitKV, lowbit_partial_attention_reference, quantize_keys, quantize_values
 
     for bits in (1, 2):
         for n_kv, m, d, t, visible, k in CASES:
@@ -43,7 +41,8 @@ def check_all(device: str) -> None:
             visible_len = torch.tensor([visible, max(0, visible - 17)])
             excluded = torch.stack([torch.randperm(t, generator=g)[:k] for _ in range(2 * n_kv)]).view(2, n_kv, k)
             excluded_valid = torch.rand(2, n_kv, k, generator=g) < 0.8
-            expected = lowbit_partial_attention_reference(rows, kv, visible_len, excluded, excluded_valid)
+            expected = lowbit_partial_attention_reference(rows, *kv[:6], bits, group, visible_len, excluded,
+                                                          excluded_valid)
             moved = [x.to(device) for x in (rows, *kv[:6])]
             got = run_kernels(*moved, bits, group, visible_len.to(device), excluded.to(device),
                               excluded_valid.to(device))
@@ -61,22 +60,19 @@ def test_triton_kernels_match_the_reference_on_cuda():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_mixed_attention_on_cuda_dispatches_to_triton(monkeypatch):
+def test_the_op_on_cuda_dispatches_to_triton_once_registered(monkeypatch):
     from kernels import lowbit_triton
-    from kernels.attention import lowbit_partial_attention
+    from specache import LowBitKV, quantize_keys, quantize_values
 
+    assert lowbit_triton.register()
     calls = []
     real = lowbit_triton.run_kernels
     monkeypatch.setattr(lowbit_triton, "run_kernels", lambda *args: calls.append(1) or real(*args))
-    from kernels.quant import LowBitKV
-    from kernels.quant import quantize_keys, quantize_values
-
     keys, values = torch.randn(1, 2, 128, 64), torch.randn(1, 2, 128, 64)
     kv = LowBitKV(*quantize_keys(keys, 1, 64, torch.float16), *quantize_values(values, 1, 64, torch.float16), 1, 64)
-    kv = LowBitKV(*(x.cuda() for x in kv[:6]), 1, 64)
-    lowbit_partial_attention(torch.randn(1, 2, 4, 64, device="cuda"), kv, torch.tensor([100], device="cuda"),
-                             torch.zeros(1, 2, 8, dtype=torch.long, device="cuda"),
-                             torch.ones(1, 2, 8, dtype=torch.bool, device="cuda"))
+    torch.ops.specache.lowbit_partial_attention(
+        torch.randn(1, 2, 4, 64, device="cuda"), *(x.cuda() for x in kv[:6]), 1, 64, torch.tensor([100], device="cuda"),
+        torch.zeros(1, 2, 8, dtype=torch.long, device="cuda"), torch.ones(1, 2, 8, dtype=torch.bool, device="cuda"))
     assert calls
 
 

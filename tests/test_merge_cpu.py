@@ -1,6 +1,7 @@
-"""kernels/dense_cpu.py's merge_segments: SpeCache's 16-bit segments in one softmax with the low-bit
-pass. The C kernel (the -march=native build and the plain x86-64 one) and the PyTorch reference,
-both against a softmax spelled out over all the keys a row sees, the low-bit ones included.
+"""kernels/dense_cpu.py's kernel of the op specache::merge_segments: SpeCache's 16-bit segments in
+one softmax with the low-bit pass. The C kernel (the -march=native build and the plain x86-64 one)
+and specache.py's plain-PyTorch definition, both against a softmax spelled out over all the keys a
+row sees, the low-bit ones included; the op once the kernel is registered.
 
 Tolerances as in test_cpu_kernels.py: 1e-5 of the largest magnitude, where one wrong mask entry or
 row moves a probability by 1e-2 or more.
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from kernels import cpu_build, dense_cpu
-from kernels.dense_cpu import merge_segments, merge_segments_reference
+from specache import merge_segments_reference
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc: only the reference exists")
 
@@ -21,10 +22,15 @@ def close(got: torch.Tensor, want: torch.Tensor, tolerance: float = 1e-5) -> Non
     torch.testing.assert_close(got, want, rtol=0, atol=tolerance * (want.abs().max().item() if want.numel() else 0))
 
 
+def merge_segments(*inputs):
+    """The op, as specache.py calls it."""
+    return torch.ops.specache.merge_segments(*inputs)
+
+
 @pytest.fixture(scope="module")
 def libs():
-    built = {"native": dense_cpu._library()}
-    assert built["native"] is not None, "gcc is here but the kernel did not build"
+    assert dense_cpu.register_merge(), "gcc is here but the kernel did not build"
+    built = {"native": dense_cpu.load(dense_cpu.build())}
     if platform.machine() in ("x86_64", "AMD64"):
         built["portable"] = dense_cpu.load(dense_cpu.build(cpu_build.PORTABLE_FLAGS))
     return built
@@ -142,18 +148,27 @@ def test_merge_does_not_depend_on_threads_or_strides(libs):
 
 def test_cpp_and_python_dispatch_run_the_same_merge(libs):
     inputs, _ = merge_problem(dtype=torch.bfloat16)
-    for a, b in zip(merge_segments(*inputs), dense_cpu._merge_op(*inputs)):
+    for a, b in zip(merge_segments(*inputs), dense_cpu._serve_merge(libs["native"], *inputs)):
         assert torch.equal(a, b)
+
+
+def test_more_rows_than_the_kernel_holds_go_to_the_reference(libs):
+    """Grouped-query heads of 40 query heads x 2 rows: M = 80 > 64, the reference serves."""
+    inputs, _ = merge_problem(g=40, d=32)
+    assert all(torch.equal(a, b) for a, b in zip(merge_segments(*inputs), merge_segments_reference(*inputs)))
 
 
 @pytest.mark.parametrize("corrupt, message", [
     (lambda x: (x[0].double(), *x[1:]), "rows must be"),
-    (lambda x: (*x[:4], x[4][:, :, :-1], *x[5:]), "k and v must be"),
+    (lambda x: (*x[:4], x[4][:, :, :-1], *x[5:]), r"k and \w*v must be"),
     (lambda x: (*x[:6], x[6][:, :, :-1], *x[7:]), "fetched_valid"),
     (lambda x: (*x[:9], x[9].int(), *x[10:]), "window_len"),
     (lambda x: (*x[:10], x[10][:, :, :0], x[11][:, :, :0]), "S >= 1"),
 ])
-def test_merge_bad_inputs_raise_value_error(corrupt, message):
+def test_merge_bad_inputs_raise_value_error(libs, corrupt, message):
+    """The checks that guard the kernel's reads and writes: in C++ (the op) and in Python (ctypes)."""
     inputs, _ = merge_problem()
     with pytest.raises(ValueError, match=message):
         merge_segments(*corrupt(inputs))
+    with pytest.raises(ValueError, match=message):
+        dense_cpu.run_merge_kernel(libs["native"], *corrupt(inputs))

@@ -14,7 +14,8 @@ from quantize import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, 
                       quantized_state_dict)
 from scripts import quantize_checkpoint
 from caches import FullCache
-from specache import SpeCache, SpeCacheConfig
+from caches import PluggedSpeCache
+from conftest import specache_config
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +119,9 @@ def test_files_round_trip_and_decode_with_specache_as_with_the_full_cache(tiny_c
 
     prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 75)]
     full = generate(model, FullCache(model, 2, 75 + 20), prompts, 20, temperature=0)
-    config = SpeCacheConfig(topk=256, pair_dtype=torch.float32, group=16, residual=16)
+    config = specache_config(topk=256, pair_dtype=torch.float32, group=16, residual=16)
     # a roomy capacity: a slot for every position it quantizes (specache_stats.fast_tier_plan)
-    assert generate(model, SpeCache(model, 2, 256, config), prompts, 20, temperature=0).tokens == full.tokens
+    assert generate(model, PluggedSpeCache(model, 2, 256, config), prompts, 20, temperature=0).tokens == full.tokens
 
 
 def test_quantize_refuses_a_quantized_file_and_a_group_that_does_not_divide(tiny_checkpoint, capsys):

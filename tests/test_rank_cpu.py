@@ -13,16 +13,15 @@ import pytest
 import torch
 
 from kernels import cpu_build, rank_cpu
-from kernels.rank_cpu import top_positions_reference
+from specache import top_positions_reference
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc: only the reference exists")
 
 
 @pytest.fixture(scope="module")
 def native():
-    lib = rank_cpu._library()
-    assert lib is not None, "gcc is here but the kernel did not build"
-    return lib
+    assert rank_cpu.register(), "gcc is here but the kernel did not build"
+    return rank_cpu.load(rank_cpu.build())
 
 
 @pytest.fixture(scope="module")
@@ -128,15 +127,16 @@ def test_does_not_depend_on_threads(native):
 
 
 def test_cpp_dispatch_and_compile_run_the_kernel(native):
-    """The public function (C++ dispatch where it builds), a fullgraph compile of it, and the ctypes
-    call give the same choice."""
+    """The op once the kernel is registered (C++ dispatch where it builds), a fullgraph compile of
+    it, and the ctypes call give the same choice."""
     inputs = problem(t=500)
     upper = torch.tensor([480, 500])
     args = (inputs["weights"], inputs["scale"], inputs["p_fetched"], inputs["fetched_pos"], inputs["p_window"],
             inputs["window_start"], 2, 1, True, 4, upper, inputs["excluded_pos"], inputs["excluded_valid"], 20)
     direct = rank_cpu.run_kernel(native, *args)
-    public = rank_cpu.top_positions(*args)
-    compiled = torch.compile(rank_cpu.top_positions, fullgraph=True, backend="aot_eager")(*args)
+    op = torch.ops.specache.top_positions
+    public = op(*args)
+    compiled = torch.compile(lambda *args: op(*args), fullgraph=True, backend="aot_eager")(*args)
     for other in (public, compiled):
         assert torch.equal(direct[0], other[0]) and torch.equal(direct[1], other[1])
 

@@ -5,16 +5,17 @@ Both decoders are greedy and fp32; they must produce the same tokens, and logits
 computation order: the implementation merges segments by log-sum-exp and subtracts the low-bit
 contributions of the exact positions, the reference dequantizes everything and takes one softmax.
 """
-import dataclasses
 import statistics
 
 import pytest
 import torch
 
+from caches import PluggedSpeCache, split_oracle
 from conftest import tiny_model
-from reference_decoder import ReferenceDecoder
 from generate import generate
-from specache import SpeCache, SpeCacheConfig
+from reference_decoder import ReferenceDecoder
+from specache import Method, Placement, SpeCacheConfig
+from specache_stats import Diagnostics
 
 NEW_TOKENS = 32
 
@@ -51,11 +52,14 @@ SMOL_MEDIAN_ATOL = 0.01
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def run_implementation(model, config, prompts, max_seq_length):
+def run_implementation(model, config, prompts, max_seq_length, oracle=None):
     """specache's tokens and every pass's logits after the prefill (bootstrap, then each step)."""
-    cache = SpeCache(model, len(prompts), max_seq_length, config)
+    probe = None
+    if oracle is not None:
+        probe = Diagnostics(model.config.n_layer, model.config.n_local_heads, torch.device("cpu"), oracle, observe=False)
+    cache = PluggedSpeCache(model, len(prompts), max_seq_length, config, probe=probe)
     layer = cache.layers[0]  # the capacities here are roomy: k and the sinks are the config's (see fast_tier_plan)
-    assert (layer.k_spec + layer.k_real, layer.n_sinks) == (config.topk, config.sinks)
+    assert (layer.k_spec + layer.k_real, layer.n_sinks) == (config.method.topk, config.selection.sinks)
     logits = []
     hook = model.output.register_forward_hook(lambda module, args, out: logits.append(out.detach().float().clone()))
     try:
@@ -65,10 +69,17 @@ def run_implementation(model, config, prompts, max_seq_length):
     return result.tokens, logits[1:]
 
 
-def compare(model, config, prompts, max_seq_length):
+def config_of(select, bits, group, residual, topk, speculative, fp32_pairs=False):
+    """A SpeCacheConfig and the oracle its selection names (as --specache_select reads them)."""
+    selection, oracle = split_oracle(select)
+    placement = Placement(pair_dtype=torch.float32 if fp32_pairs else None)
+    return SpeCacheConfig(Method(bits, group, residual, topk, speculative), selection, placement), oracle
+
+
+def compare(model, config, prompts, max_seq_length, oracle=None):
     """Per pass, the largest logit difference; and the reference's closest top-k call."""
-    tokens, logits = run_implementation(model, config, prompts, max_seq_length)
-    reference = ReferenceDecoder(model, config, max_seq_length)
+    tokens, logits = run_implementation(model, config, prompts, max_seq_length, oracle)
+    reference = ReferenceDecoder(model, config, max_seq_length, oracle)
     ref_tokens, ref_logits = reference.generate(prompts, NEW_TOKENS)
     assert [len(t) for t in ref_tokens] == [NEW_TOKENS] * len(prompts)
     assert [x.shape for x in logits] == [x.shape for x in ref_logits]
@@ -114,14 +125,12 @@ TINY_CASES = {
 @pytest.mark.parametrize("case", TINY_CASES)
 def test_tiny_model_matches_reference(case):
     select, bits, speculative, topk, fp32_pairs = TINY_CASES[case]
-    config = SpeCacheConfig(bits=bits, group=16, residual=16, topk=topk, speculative=speculative).with_select(select)
-    if fp32_pairs:
-        config = dataclasses.replace(config, pair_dtype=torch.float32)
+    config, oracle = config_of(select, bits, 16, 16, topk, speculative, fp32_pairs)
     model = tiny_model(TINY_SEED)
     generator = torch.Generator().manual_seed(TINY_SEED)
     prompts = [spread_prompt(n, generator) for n in TINY_LENGTHS]
     max_seq_length = max(TINY_LENGTHS) + NEW_TOKENS + 8
-    tokens, ref_tokens, diffs, worst, min_gap = compare(model, config, prompts, max_seq_length)
+    tokens, ref_tokens, diffs, worst, min_gap = compare(model, config, prompts, max_seq_length, oracle)
     assert min_gap > TINY_MIN_GAP, f"a near-tie in a top-k ({min_gap:.1e}): choose another seed or prompt"
     assert tokens == ref_tokens
     assert diffs[worst] < TINY_ATOL, f"pass {worst} of {len(diffs)}: logits differ by {diffs[worst]:.2e}"
@@ -137,7 +146,7 @@ def smollm2_prompt(smollm2_checkpoint):
 
 @pytest.mark.parametrize("bits, select", [(1, "default"), (2, "paper")])
 def test_smollm2_matches_reference(smollm2_model, smollm2_prompt, bits, select):
-    config = SpeCacheConfig(bits=bits, group=64, residual=64, topk=64, speculative=True).with_select(select)
+    config, _ = config_of(select, bits, 64, 64, 64, True)
     max_seq_length = len(smollm2_prompt) + NEW_TOKENS + 8
     tokens, ref_tokens, diffs, worst, _ = compare(smollm2_model, config, [smollm2_prompt], max_seq_length)
     assert tokens == ref_tokens

@@ -1,22 +1,22 @@
 """SpeCache against the full cache, against its reference kernels, and against its own invariants."""
+import contextlib
+import dataclasses
+import warnings
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-import selection
 import specache
-from conftest import tiny_model
-from reference_decoder import lookup_guess
-from generate import compile_decode, generate
-import kernels.attention
-import offload
-from kernels.attention import mixed_attention
-from kernels.lowbit_cpu import lowbit_partial_attention_reference
-from kernels.quant import LowBitKV, dequantize_keys, quantize_keys, quantize_values
+from caches import FullCache, PluggedSpeCache
 from config import ModelArgs
+from conftest import specache_config, tiny_model
+from generate import compile_decode, generate
 from model import KVCache, Transformer
-from caches import FullCache
-from kernels.attention import select_top_k
-from specache import SpeCache, SpeCacheConfig, SpeCacheLayer
+from reference_decoder import lookup_guess
+from specache import (PAPER, LowBitKV, Method, Selection, SpeCacheConfig, SpeCacheLayer, dequantize_keys,
+                      quantize_keys, quantize_values)
+from specache_stats import Diagnostics
 
 VOCAB = 97
 # small groups so that a few dozen steps cross several window flushes
@@ -38,8 +38,28 @@ def prompts_of(*lengths, seed=0):
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-def run_specache(model, prompts, new_tokens, config, capacity=None, guess_next=None):
-    cache = SpeCache(model, len(prompts), capacity or max(map(len, prompts)) + new_tokens, config)
+def plugged(model, batch, capacity, config, stats=False):
+    """SpeCache in `model`, with its diagnostics when `stats`."""
+    probe = Diagnostics(model.config.n_layer, model.config.n_local_heads, torch.device("cpu")) if stats else None
+    return PluggedSpeCache(model, batch, capacity, config, probe=probe)
+
+
+@contextlib.contextmanager
+def reference_ops():
+    """specache.py's plain-PyTorch definitions serve its ops on CPUs, whatever kernels registered."""
+    library = torch.library.Library("specache", "IMPL")
+    with warnings.catch_warnings():  # torch warns that this overrides the kernels: it is meant to
+        warnings.simplefilter("ignore")
+        for name in ("lowbit_partial_attention", "merge_segments", "top_positions"):
+            library.impl(name, getattr(specache, f"{name}_reference"), "CPU")
+    try:
+        yield
+    finally:
+        library._destroy()
+
+
+def run_specache(model, prompts, new_tokens, config, capacity=None, guess_next=None, stats=False):
+    cache = plugged(model, len(prompts), capacity or max(map(len, prompts)) + new_tokens, config, stats)
     if guess_next is not None:
         cache.guess_next = guess_next
     return generate(model, cache, prompts, new_tokens, temperature=0)
@@ -59,7 +79,7 @@ def test_fetching_every_position_reproduces_the_full_cache(speculative, bits, la
     model = tiny_model(**(HYBRID if layout == "hybrid" else {}))
     prompts = prompts_of(45, 83)
     full = run_full(model, prompts, 40)
-    config = SpeCacheConfig(bits=bits, topk=256, speculative=speculative, pair_dtype=torch.float32, **SMALL)
+    config = specache_config(bits=bits, topk=256, speculative=speculative, pair_dtype=torch.float32, **SMALL)
     assert run_specache(model, prompts, 40, config, capacity=ROOMY).tokens == full.tokens
 
 
@@ -67,7 +87,7 @@ def test_sixteen_bit_pairs_stay_close_to_the_fp32_full_cache():
     model = tiny_model()
     prompts = prompts_of(60)
     full = run_full(model, prompts, 24)
-    result = run_specache(model, prompts, 24, SpeCacheConfig(topk=256, **SMALL), capacity=ROOMY)  # fp16 pairs
+    result = run_specache(model, prompts, 24, specache_config(topk=256, **SMALL), capacity=ROOMY)  # fp16 pairs
     assert model.layers[0].attention.kv_cache.tier.k.dtype == torch.float16
     assert result.tokens == full.tokens
 
@@ -75,16 +95,15 @@ def test_sixteen_bit_pairs_stay_close_to_the_fp32_full_cache():
 @pytest.mark.parametrize("cache, select", [("specache", "paper"), ("specache", "default"),
                                            ("specache", "correct=0.99"), ("specache-nospec", "default"),
                                            ("kivi", "paper")])
-def test_fast_kernels_generate_what_the_reference_kernels_generate(cache, select, monkeypatch):
-    """Every variant (k = 0 is KIVI alone) through the C kernel == through the plain reference of
-    the low-bit pass."""
-    config = SpeCacheConfig(topk=0 if cache == "kivi" else 8, speculative=cache == "specache", **SMALL)
-    config = config.with_select(select)
+def test_fast_kernels_generate_what_the_reference_kernels_generate(cache, select):
+    """Every variant (k = 0 is KIVI alone) through the C kernels == through the plain-PyTorch
+    definitions of specache.py's ops."""
+    config = specache_config(select, topk=0 if cache == "kivi" else 8, speculative=cache == "specache", **SMALL)
     model = tiny_model()
     prompts = prompts_of(50, 77)
     fast = run_specache(model, prompts, 30, config)
-    monkeypatch.setattr(kernels.attention, "lowbit_partial_attention", lowbit_partial_attention_reference)
-    assert run_specache(model, prompts, 30, config).tokens == fast.tokens
+    with reference_ops():
+        assert run_specache(model, prompts, 30, config).tokens == fast.tokens
 
 
 def random_guesses(seed):
@@ -97,7 +116,7 @@ def test_with_every_position_fetched_the_guesses_cannot_change_the_tokens():
     chose, so only a leak of the speculative row into the real row could change a token."""
     model = tiny_model()
     prompts = prompts_of(70, 40)
-    config = SpeCacheConfig(topk=256, pair_dtype=torch.float32, **SMALL).with_select("paper")
+    config = specache_config("paper", topk=256, pair_dtype=torch.float32, **SMALL)
     paper = run_specache(model, prompts, 30, config, capacity=ROOMY)
     guessed = run_specache(model, prompts, 30, config, capacity=ROOMY, guess_next=random_guesses(5))
     assert guessed.tokens == paper.tokens
@@ -112,13 +131,13 @@ def test_repeated_generations_are_identical(speculative, bits, batch):
     the same tokens and the same statistics (no state leaks from one generation into the next)."""
     model = tiny_model()
     prompts = prompts_of(*[50, 97, 130][:batch])
-    config = SpeCacheConfig(bits=bits, topk=8, speculative=speculative, stats=True, **SMALL)
-    cache = SpeCache(model, batch, 130 + 40, config)
+    config = specache_config(bits=bits, topk=8, speculative=speculative, **SMALL)
+    cache = plugged(model, batch, 130 + 40, config, stats=True)
     runs = [generate(model, cache, prompts, 40, temperature=0) for _ in range(3)]
     assert runs[0].tokens == runs[1].tokens == runs[2].tokens
     assert runs[0].stats == runs[1].stats == runs[2].stats
     # and the same as a fresh setup (what the first generation of a process sees)
-    fresh = run_specache(model, prompts, 40, config, capacity=130 + 40)
+    fresh = run_specache(model, prompts, 40, config, capacity=130 + 40, stats=True)
     assert fresh.tokens == runs[0].tokens and fresh.stats == runs[2].stats
 
 
@@ -126,12 +145,12 @@ def test_repeated_generations_in_one_process_match_after_a_different_prompt():
     """A generation after another prompt's equals the same generation alone: nothing chosen for
     the previous prompt (fetched positions, speculative queries, counts) survives."""
     model = tiny_model()
-    config = SpeCacheConfig(topk=8, stats=True, **SMALL).with_select("default,correct=0.95")
+    config = specache_config("default,correct=0.95", topk=8, **SMALL)
     first, second = prompts_of(120, seed=1), prompts_of(90, seed=2)
-    cache = SpeCache(model, 1, 160, config)
+    cache = plugged(model, 1, 160, config, stats=True)
     generate(model, cache, first, 30, temperature=0)
     after = generate(model, cache, second, 30, temperature=0)
-    alone = run_specache(model, second, 30, config, capacity=160)
+    alone = run_specache(model, second, 30, config, capacity=160, stats=True)
     assert after.tokens == alone.tokens and after.stats == alone.stats
 
 
@@ -140,11 +159,12 @@ def test_real_row_logits_do_not_depend_on_the_speculative_token_within_a_step():
     prompt = prompts_of(90)[0]
     logits = []
     for guess in (5, 50):
-        cache = SpeCache(model, 1, 120, SpeCacheConfig(topk=8, **SMALL))
+        cache = plugged(model, 1, 120, specache_config(topk=8, **SMALL))
         generate(model, cache, [prompt], 1, temperature=0)
         pos = torch.tensor([[len(prompt)]])
-        cache.run(model, torch.tensor([[7]]), pos, specache.BOOTSTRAP)
-        out = cache.run(model, torch.tensor([[7, guess]]), torch.cat([pos, pos + 1], 1), specache.DECODE)
+        cache.bootstrap(model, torch.tensor([[7]]), pos)
+        cache.guess = torch.tensor([[guess]])
+        out = cache.step(model, torch.tensor([[7]]), pos)
         cache.finish()
         logits.append(out[0, 0])
     assert torch.equal(logits[0], logits[1])
@@ -157,12 +177,12 @@ def test_window_flushes_leave_every_position_in_exactly_one_place():
     prompts = prompts_of(37, 90)
     full = run_full(model, prompts, 50)
     full_caches = [layer.attention.kv_cache for layer in model.layers]
-    config = SpeCacheConfig(topk=256, pair_dtype=torch.float32, **SMALL)
-    cache = SpeCache(model, len(prompts), ROOMY, config)
+    config = specache_config(topk=256, pair_dtype=torch.float32, **SMALL)
+    cache = plugged(model, len(prompts), ROOMY, config)
     result = generate(model, cache, prompts, 50, temperature=0)
     assert result.tokens == full.tokens
     state = cache.state
-    g, r = config.group, config.residual
+    g, r, bits, levels = config.method.group, config.method.residual, config.method.bits, config.selection.levels
     for b, prompt in enumerate(prompts):
         stored = len(prompt) + result.decode_steps  # the last generated token has not run yet
         lq, window = state.host_quantized_len[b], state.host_window_len[b]
@@ -175,43 +195,38 @@ def test_window_flushes_leave_every_position_in_exactly_one_place():
             torch.testing.assert_close(layer.tier.v[b, :, :lq], full_v[:, :lq], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(layer.window_k[b, :, :window], full_k[:, lq:], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(layer.window_v[b, :, :window], full_v[:, lq:], atol=1e-5, rtol=1e-5)
-            packed, scale, zero = quantize_keys(layer.tier.k[b, :, :lq], config.bits, g, layer.k_scale.dtype,
-                                                config.levels)
+            packed, scale, zero = quantize_keys(layer.tier.k[b, :, :lq], bits, g, layer.k_scale.dtype, levels)
             assert torch.equal(layer.k_packed[b, :, :lq], packed)
             assert torch.equal(layer.k_scale[b, :, : lq // g], scale)
-            packed, scale, zero = quantize_values(layer.tier.v[b, :, :lq], config.bits, g, layer.v_scale.dtype,
-                                                  config.levels)
+            packed, scale, zero = quantize_values(layer.tier.v[b, :, :lq], bits, g, layer.v_scale.dtype, levels)
             assert torch.equal(layer.v_packed[b, :, :lq], packed) and torch.equal(layer.v_zero[b, :, :lq], zero)
 
 
 @pytest.mark.parametrize("how", ["mean", "max"])
 def test_gqa_top_k_ranks_by_the_groups_query_heads(how):
-    """select_top_k on mixed_attention's weights, and the fused top_positions, == a per-KV-head
+    """top_positions (the C kernel where registered, and the plain reference) == a per-KV-head
     reference: softmax per query head over the dequantized copy, the window and the new rows, then
     the mean (the paper) or the max (gqa-max) over the group."""
     torch.manual_seed(0)
     b, n_kv, group_size, t, d, k = 2, 3, 3, 128, 64, 10
     keys, values = torch.randn(b, n_kv, t, d) * torch.linspace(0.2, 3, d), torch.randn(b, n_kv, t, d)
     kv = LowBitKV(*quantize_keys(keys, 1, 32, torch.float16), *quantize_values(values, 1, 32, torch.float16),
-                           1, 32)
+                  1, 32)
     window_k, new_k = torch.randn(b, n_kv, 48, d), torch.randn(b, n_kv, 2, d)
     segments = specache.Segments(torch.tensor([80, 96]), torch.zeros(b, n_kv, k, d), torch.zeros(b, n_kv, k, d),
                                  torch.zeros(b, n_kv, k, dtype=torch.long), torch.zeros(b, n_kv, k, dtype=torch.bool),
                                  window_k, torch.randn(b, n_kv, 48, d), torch.tensor([48, 20]), new_k,
                                  torch.randn(b, n_kv, 2, d))
     q = torch.randn(b, n_kv * group_size, 2, d)
-    rows = kernels.attention.query_rows(q, n_kv)
-    part = kernels.attention.lowbit_part(rows, kv, segments)
-    merged = kernels.attention.merge_softmax(rows, part, segments)
-    weights = kernels.attention.over_query_heads(kernels.attention.row_position_weights(part, merged, segments, 2, 1),
-                                                 how)
-    quantized = torch.arange(t) < segments.quantized_len[:, None, None]
-    positions, valid = select_top_k(weights, quantized, k)
-    if how == "mean":  # the mean is what mixed_attention returns
-        torch.testing.assert_close(weights, mixed_attention(q, kv, segments)[1])
-    nothing = segments.fetched_pos[..., :0]  # what SpeCache's layer calls: the C kernel on a CPU
-    fused, fused_valid = kernels.attention.top_positions(part, merged, segments, 2, 1, how, 0, segments.quantized_len,
-                                                         nothing, nothing.bool(), k)
+    rows = specache.query_rows(q, n_kv)
+    part = specache.lowbit_partial_attention(rows, kv, segments)
+    merged = specache.merge_segments(rows, part, segments)
+    nothing = segments.fetched_pos[..., :0]
+    args = (part.weights, merged.lowbit_scale, merged.p_fetched, segments.fetched_pos, merged.p_window,
+            segments.quantized_len, 2, 1, how == "max", 0, segments.quantized_len, nothing, nothing.bool(), k)
+    positions, valid = specache.top_positions_reference(*args)
+    fused, fused_valid = specache.top_positions(part, merged, segments, 2, 1, how, 0, segments.quantized_len,
+                                                nothing, nothing.bool(), k)
     assert torch.equal(fused, positions) and torch.equal(fused_valid, valid)
     dequantized = dequantize_keys(kv.k_packed, kv.k_scale, kv.k_zero, 1, 32)
     for bi in range(b):
@@ -225,8 +240,11 @@ def test_gqa_top_k_ranks_by_the_groups_query_heads(how):
 
 
 def test_short_sequences_mark_missing_positions_invalid():
-    weights = torch.rand(1, 2, 64)
-    positions, valid = select_top_k(weights, torch.arange(64) < 5, 8)
+    """Five candidates for a top-8: five valid picks, the candidates themselves."""
+    weights, nothing = torch.rand(1, 2, 1, 64), torch.zeros(1, 2, 0, dtype=torch.long)
+    positions, valid = specache.top_positions_reference(
+        weights, torch.ones(1, 2, 1, 1), torch.zeros(1, 2, 1, 0), nothing, torch.zeros(1, 2, 1, 0),
+        torch.tensor([64]), 1, 0, False, 0, torch.tensor([5]), nothing, nothing.bool(), 8)
     assert valid.sum(-1).tolist() == [[5, 5]]
     assert (positions[valid] < 5).all()
     assert all(sorted(positions[0, h][valid[0, h]].tolist()) == list(range(5)) for h in range(2))
@@ -240,13 +258,15 @@ def test_fast_tier_at_4k_holds_only_the_low_bit_copy_the_window_and_k_pairs():
     config.n_layer = 2
     torch.manual_seed(0)
     model = Transformer(config).eval()
-    cache = SpeCache(model, 1, 4096, SpeCacheConfig())
+    cache = plugged(model, 1, 4096, SpeCacheConfig())
     prompt = torch.randint(0, config.vocab_size, (4000,)).tolist()
     generate(model, cache, [prompt], 2, temperature=0)
-    c, s = cache.config, cache.state.capacity
+    selection = cache.config.selection
+    c = SimpleNamespace(**vars(cache.config.method), sinks=selection.sinks, real_share=selection.real_share)
+    s = cache.state.capacity
     quantizable = s - c.residual  # the newest R positions are never quantized
     assert s == 4096
-    assert not any(isinstance(m, KVCache) for m in model.modules())
+    assert not any(isinstance(module, KVCache) for module in model.modules())
     head_dim, n_kv = config.head_dim, config.n_local_heads
     for layer in model.layers:
         layer_cache = layer.attention.kv_cache
@@ -286,7 +306,7 @@ def test_a_short_context_never_holds_more_than_a_16_bit_cache(new_tokens):
     config = ModelArgs.from_name("SmolLM2-135M")
     config.n_layer = 2
     model = Transformer(config).eval()
-    cache = SpeCache(model, 1, 5 + new_tokens, SpeCacheConfig())
+    cache = plugged(model, 1, 5 + new_tokens, SpeCacheConfig())
     result = generate(model, cache, [[1, 2, 3, 4, 5]], new_tokens, temperature=0)
     ratio = result.stats["fast_tier_ratio_to_16bit_cache"]
     assert ratio <= 1.0 and (new_tokens > 8 or ratio == 1.0)
@@ -295,7 +315,7 @@ def test_a_short_context_never_holds_more_than_a_16_bit_cache(new_tokens):
 def test_batch_of_three_prompts_equals_each_alone():
     model = tiny_model()
     prompts = prompts_of(40, 97, 130)
-    config = SpeCacheConfig(topk=8, **SMALL)
+    config = specache_config(topk=8, **SMALL)
     batched = run_specache(model, prompts, 24, config)
     for i, prompt in enumerate(prompts):
         assert run_specache(model, [prompt], 24, config).tokens[0] == batched.tokens[i]
@@ -309,7 +329,7 @@ def test_compiled_decode_matches_eager_and_never_recompiles(cache, layout, whole
     step: the two-row pass of every layer and the head in one graph."""
     from torch._dynamo.utils import counters
 
-    config = SpeCacheConfig(topk=8, speculative=cache == "specache", **SMALL)
+    config = specache_config(topk=8, speculative=cache == "specache", **SMALL)
     model = tiny_model(**(HYBRID if layout == "hybrid" else {}))
     prompts = prompts_of(50, 71)
     eager = run_specache(model, prompts, 40, config)
@@ -332,9 +352,9 @@ def test_a_failing_fetch_raises_instead_of_being_lost(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("injected fetch failure")
 
-    monkeypatch.setattr(offload, "gather_pairs", broken)
+    monkeypatch.setattr(specache, "gather_pairs", broken)
     with pytest.raises(RuntimeError, match="injected fetch failure"):
-        run_specache(model, prompts_of(60), 10, SpeCacheConfig(topk=8, **SMALL))
+        run_specache(model, prompts_of(60), 10, specache_config(topk=8, **SMALL))
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -344,18 +364,18 @@ def test_a_failing_fetch_raises_instead_of_being_lost(monkeypatch):
 ])
 def test_invalid_configs_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        SpeCacheConfig(**kwargs).validate(64)
+        specache_config(**kwargs).validate(64)
 
 
 def test_head_dims_that_do_not_fill_bytes_are_refused():
     with pytest.raises(ValueError, match="head_dim x bits must be a multiple of 8"):
-        SpeCacheConfig(bits=1).validate(36)
-    SpeCacheConfig(bits=2).validate(36)
+        SpeCacheConfig(Method(bits=1)).validate(36)
+    SpeCacheConfig(Method(bits=2)).validate(36)
 
 
 def test_hybrid_models_offload_only_their_full_attention_layers():
     model = tiny_model(**HYBRID)
-    result = run_specache(model, prompts_of(70), 8, SpeCacheConfig(**SMALL))
+    result = run_specache(model, prompts_of(70), 8, specache_config(**SMALL))
     kinds = [type(layer.attention.kv_cache).__name__ for layer in model.layers]
     assert kinds == ["RingKVCache", "SpeCacheLayer", "RingKVCache"]
     stats = result.stats
@@ -370,7 +390,7 @@ def test_hybrid_models_offload_only_their_full_attention_layers():
 def test_models_with_only_sliding_window_layers_are_refused():
     model = tiny_model(sliding_window=16)
     with pytest.raises(ValueError, match="nothing to offload"):
-        SpeCache(model, 1, 64, SpeCacheConfig(**SMALL))
+        plugged(model, 1, 64, specache_config(**SMALL))
 
 
 def test_prompt_lookup_guesses_the_token_after_the_latest_earlier_match():
@@ -382,21 +402,22 @@ def test_prompt_lookup_guesses_the_token_after_the_latest_earlier_match():
     for b, h in enumerate(histories):
         history[b, : len(h)] = torch.tensor(h)
     logits = torch.randn(len(histories), 12, generator=g)
-    guess = selection.prompt_lookup_guess(logits, history, torch.tensor([len(h) for h in histories]))
+    guess = specache.prompt_lookup_guess(logits, history, torch.tensor([len(h) for h in histories]))
     assert guess[:, 0].tolist() == [lookup_guess(h, logits[b]) for b, h in enumerate(histories)]  # plain Python
     assert guess[5, 0] == 7 and guess[6, 0] == 4 and guess[7, 0] == 1  # the latest trigram, a run, a unigram
 
 
 @pytest.mark.parametrize("select, fields", [
-    ("paper", selection.PAPER),
-    ("split,gqa-max", dict(selection.PAPER, real_share=0.5, gqa="max")),
-    ("split=0.25, sinks=8, correct=0.8", dict(selection.PAPER, real_share=0.25, sinks=8, correct_below=0.8)),
-    ("default,correct", dict(selection.parse_select("default"), correct_below=0.9)),
+    ("paper", PAPER),
+    ("split,gqa-max", dataclasses.replace(PAPER, real_share=0.5, gqa="max")),
+    ("split=0.25, sinks=8, correct=0.8", dataclasses.replace(PAPER, real_share=0.25, sinks=8, correct_below=0.8)),
+    ("default,correct", Selection()),
+    ("lloyd,default,split=0.3", dataclasses.replace(Selection(), real_share=0.3)),
 ])
-def test_selections_parse_into_config_fields_and_name_themselves(select, fields):
-    config = SpeCacheConfig().with_select(select)
-    assert {name: getattr(config, name) for name in selection.PAPER} == fields
-    assert SpeCacheConfig().with_select(config.select_name()) == config
+def test_selections_parse_into_their_fields_and_name_themselves(select, fields):
+    selection = Selection.parse(select)
+    assert selection == fields
+    assert Selection.parse(selection.name()) == selection
 
 
 @pytest.mark.parametrize("select, message", [("splt", "unknown --specache_select entry 'splt'"),
@@ -404,4 +425,4 @@ def test_selections_parse_into_config_fields_and_name_themselves(select, fields)
                                              ("split=2", "share of k must be in")])
 def test_bad_selections_are_refused(select, message):
     with pytest.raises(ValueError, match=message):
-        SpeCacheConfig().with_select(select).validate(64)
+        SpeCacheConfig(selection=Selection.parse(select)).validate(64)

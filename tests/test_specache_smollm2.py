@@ -6,22 +6,22 @@ full cache's (the full cache answers in 24 tokens and stops).
 """
 import pytest
 
-import selection
+import specache
+from caches import FullCache, make_cache
 from generate import generate
 from scripts.haystack import answered, needle_prompt
-from caches import FullCache
-from specache import SpeCache, SpeCacheConfig
 from tokenizer import get_tokenizer
 
 NEW_TOKENS = 32
+# name: make_cache's method and options
 METHODS = {
-    "specache-1bit": SpeCacheConfig(bits=1, stats=True),
-    "specache-1bit-paper": SpeCacheConfig(bits=1, stats=True).with_select("paper"),
-    "specache-2bit": SpeCacheConfig(bits=2),
-    "specache-nospec-1bit-paper": SpeCacheConfig(bits=1, speculative=False, stats=True).with_select("paper"),
-    "oracle-1bit": SpeCacheConfig(bits=1, stats=True).with_select("oracle=mass"),
-    "kivi-1bit": SpeCacheConfig(bits=1, topk=0).with_select("paper"),
-    "fetch-everything": SpeCacheConfig(bits=1, topk=4096),
+    "specache-1bit": ("specache-1bit", dict(stats=True)),
+    "specache-1bit-paper": ("specache-1bit:paper", dict(stats=True)),
+    "specache-2bit": ("specache-2bit", {}),
+    "specache-nospec-1bit-paper": ("specache-nospec-1bit:paper", dict(stats=True)),
+    "oracle-1bit": ("specache-1bit:oracle=mass", dict(stats=True)),
+    "kivi-1bit": ("kivi-1bit", {}),
+    "fetch-everything": ("specache-1bit", dict(topk=4096)),
 }
 
 
@@ -36,13 +36,13 @@ def runs(smollm2_model, smollm2_checkpoint):
     guesses = []
 
     def recorded_guess(logits, history, lengths):
-        guesses.append(int(selection.prompt_lookup_guess(logits, history, lengths)))
+        guesses.append(int(specache.prompt_lookup_guess(logits, history, lengths)))
         return logits.new_tensor([[guesses[-1]]]).long()
 
-    for name, config in METHODS.items():
+    for name, (method, options) in METHODS.items():
         # fetching everything takes a roomy capacity: a slot for every position (specache_stats.fast_tier_plan)
         capacity = (2 if name == "fetch-everything" else 1) * (len(prompt) + NEW_TOKENS)
-        cache = SpeCache(model, 1, capacity, config)
+        cache = make_cache(method, model, 1, capacity, **options)
         if name == "specache-1bit":
             cache.guess_next = recorded_guess
         seen = []  # every token the loop sampled, past a stop too (stops are looked for every few steps)

@@ -1,12 +1,14 @@
-"""kernels/: quantization rules, bit packing, and each fast path against its plain-PyTorch reference."""
+"""specache.py's low-bit copy (quantization rules, bit packing) and its mixed-precision attention,
+composed of its ops, against attention spelled out over every key a row sees."""
 import pytest
 import torch
 
-from kernels.attention import (Segments, drop_from_lowbit, key_scores, key_scores_reference, lowbit_part,
-                               mixed_attention, mixed_attention_reference, positions_mask, value_mix,
-                               value_mix_reference)
-from kernels.quant import (LowBitKV, dequantize_keys, dequantize_values, pack_bits, quantize_groups, quantize_keys,
-                           quantize_values, unpack_bits)
+from specache import (LowBitKV, Segments, dequantize_keys, dequantize_values, drop_from_lowbit,
+                      lowbit_partial_attention, merge_segments, pack_bits, position_weights, positions_mask,
+                      query_rows, quantize_groups, quantize_keys, quantize_values, unpack_bits)
+
+# the ops run on the C kernels where they build (tests/test_specache.py runs the references too)
+pytestmark = pytest.mark.usefixtures("specache_kernels")
 
 
 @pytest.mark.parametrize("bits", [1, 2])
@@ -73,13 +75,52 @@ def lowbit_copy(bits, group, t=256, b=2, n_kv=3, d=64, seed=0):
                     bits, group), k, v
 
 
-@pytest.mark.parametrize("bits,group", [(1, 64), (2, 64), (1, 32), (2, 128)])
-def test_key_scores_and_value_mix_match_dequantize_then_matmul(bits, group):
-    kv, _, _ = lowbit_copy(bits, group)
-    q = torch.randn(2, 3, 6, 64)
-    torch.testing.assert_close(key_scores(q, kv), key_scores_reference(q, kv), rtol=1e-5, atol=1e-4)
-    p = torch.rand(2, 3, 6, 256).softmax(-1)
-    torch.testing.assert_close(value_mix(p, kv), value_mix_reference(p, kv), rtol=1e-5, atol=1e-5)
+def mixed_attention(q, kv: LowBitKV, seg: Segments):
+    """Attention of q (B, H, S, D) over the four segments, from specache.py's ops: the output
+    (B, H, S, D) and the last row's weights of the history's positions [0, T), averaged over each KV
+    head's query heads (B, Hkv, T)."""
+    b, n_heads, s, d = q.shape
+    rows = query_rows(q, kv.k_packed.shape[1])
+    part = lowbit_partial_attention(rows, kv, seg)
+    merged = merge_segments(rows, part, seg)
+    weights = position_weights(part.weights, merged.lowbit_scale, merged.p_fetched, seg.fetched_pos,
+                               merged.p_window, seg.quantized_len, s, s - 1)
+    return merged.out.reshape(b, n_heads, s, d).to(q.dtype), weights.mean(2)
+
+
+def mixed_attention_reference(q, kv: LowBitKV, seg: Segments):
+    """The same, spelled out: dequantize the copy, put the fetched 16-bit pairs in their places,
+    append the window and the new rows, and run one masked softmax."""
+    b, n_heads, s, d = q.shape
+    n_kv, t = kv.k_packed.shape[1], kv.k_packed.shape[2]
+    g = n_heads // n_kv
+    keys = dequantize_keys(kv.k_packed, kv.k_scale, kv.k_zero, kv.bits, kv.group)
+    values = dequantize_values(kv.v_packed, kv.v_scale, kv.v_zero, kv.bits, kv.group)
+    for bi in range(b):
+        for hi in range(n_kv):
+            for slot in range(seg.fetched_pos.shape[-1]):
+                if seg.fetched_valid[bi, hi, slot]:
+                    pos = seg.fetched_pos[bi, hi, slot]
+                    keys[bi, hi, pos] = seg.fetched_k[bi, hi, slot].float()
+                    values[bi, hi, pos] = seg.fetched_v[bi, hi, slot].float()
+    keys = torch.cat([keys, seg.window_k.float(), seg.new_k.float()], dim=2)
+    values = torch.cat([values, seg.window_v.float(), seg.new_v.float()], dim=2)
+    r = seg.window_k.shape[2]
+    visible = torch.zeros(b, 1, s, t + r + s, dtype=torch.bool)
+    for bi in range(b):
+        visible[bi, :, :, : seg.quantized_len[bi]] = True
+        visible[bi, :, :, t: t + seg.window_len[bi]] = True
+        for row in range(s):
+            visible[bi, :, row, t + r: t + r + row + 1] = True
+    scores = (q.float() @ keys.repeat_interleave(g, 1).transpose(-1, -2)) * d ** -0.5
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    out = probs @ values.repeat_interleave(g, 1)
+    position_weights = probs[:, :, -1, :t].clone()
+    for bi in range(b):
+        lq, wl = int(seg.quantized_len[bi]), int(seg.window_len[bi])
+        position_weights[bi, :, lq: lq + wl] += probs[bi, :, -1, t: t + wl]
+    position_weights = position_weights.view(b, n_kv, g, t).mean(2)
+    return out.to(q.dtype), position_weights
 
 
 def segments(kv, k, v, s, k_fetch=8, window=64, seed=1):
@@ -136,21 +177,6 @@ def test_fetching_every_position_is_exact_attention():
     torch.testing.assert_close(out, exact, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("bits", [1, 2])
-def test_torch_partial_attention_matches_the_reference(bits):
-    from kernels.attention import lowbit_partial_attention_torch
-    from kernels.lowbit_cpu import lowbit_partial_attention_reference
-
-    kv, _, _ = lowbit_copy(bits, 128)
-    rows = torch.randn(2, 3, 6, 64)
-    visible = torch.tensor([128, 70])
-    excluded = torch.randint(0, 128, (2, 3, 8))
-    valid = torch.rand(2, 3, 8) > 0.3
-    for got, want in zip(lowbit_partial_attention_torch(rows, kv, visible, excluded, valid),
-                         lowbit_partial_attention_reference(rows, kv, visible, excluded, valid)):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # fp32 sums in another order
-
-
 def test_lloyd_levels_are_the_means_of_the_two_halves_and_fit_better():
     x = torch.tensor([[-2.0, -1.0, 0.0, 0.999, 1.0, 3.0, 6.0]])  # midpoint 2: halves {-2..1} and {3, 6}
     codes, scale, zero = quantize_groups(x, 1, -1, torch.float32, "lloyd")
@@ -188,11 +214,11 @@ def test_dropping_positions_equals_excluding_them_from_the_pass(bits):
     picked_valid = torch.rand(2, 3, 12, generator=g) < 0.8
     picked_valid[..., 0], picked_valid[..., 11] = True, False
     picked[..., 11] = picked[..., 0]  # an invalid entry repeating a valid one (kernels/rank_cpu.c leaves them so)
-    before = lowbit_part(rows, kv, seg)
+    before = lowbit_partial_attention(rows, kv, seg)
     part = drop_from_lowbit(before, kv, picked, picked_valid)
     both = seg._replace(fetched_pos=torch.cat([seg.fetched_pos, picked], -1),
                         fetched_valid=torch.cat([seg.fetched_valid, picked_valid], -1))
-    expected = lowbit_part(rows, kv, both)
+    expected = lowbit_partial_attention(rows, kv, both)
     torch.testing.assert_close(part.weights * torch.exp(part.row_max).unsqueeze(-1),
                                expected.weights * torch.exp(expected.row_max).unsqueeze(-1), rtol=1e-5, atol=1e-6)
     scale = torch.exp(part.row_max - expected.row_max)  # the same pieces, against another row maximum
