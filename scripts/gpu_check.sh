@@ -27,7 +27,7 @@ export PYTHONUNBUFFERED=1
 } > "$out/environment.txt" 2>&1
 
 timeout 120 python -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_lowbit_triton.py \
-  tests/test_kernels.py 2>&1 | tee "$out/cuda_tests.txt"
+  tests/test_lowbit_copy.py tests/test_host.py 2>&1 | tee "$out/cuda_tests.txt"
 tests=${PIPESTATUS[0]}
 echo "exit status $tests" >> "$out/cuda_tests.txt"
 

@@ -98,6 +98,15 @@ def smollm2_model(smollm2_checkpoint):
 
 
 @pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf):
+    """HF transformers' SmolLM2, loaded from the same GGUF as ours (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def gemma3_gguf(tmp_path_factory) -> Path:
     """Gemma-3-270M's GGUF: $GEMMA_GGUF, else assembled from the installed PyPI packages
     (requirements-dev.txt installs them), else the tests that need it skip."""

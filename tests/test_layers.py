@@ -21,11 +21,13 @@ LAYERS = [
     ["options", "tp"],
     ["generate"],
     ["serve", "chat"],
+    ["integrations.hf"],  # transformers and specache.py alone
 ]
 
 
 def project_modules() -> dict[str, Path]:
-    files = [*REPO_ROOT.glob("*.py"), *REPO_ROOT.glob("kernels/*.py"), *REPO_ROOT.glob("scripts/*.py")]
+    files = [*REPO_ROOT.glob("*.py"), *REPO_ROOT.glob("kernels/*.py"), *REPO_ROOT.glob("integrations/*.py"),
+             *REPO_ROOT.glob("scripts/*.py")]
     return {".".join(f.relative_to(REPO_ROOT).with_suffix("").parts): f for f in files
             if f.name != "__init__.py"}
 
@@ -63,6 +65,19 @@ def test_every_module_has_a_layer():
 def test_no_module_imports_one_above_it():
     upward = [(a, b) for a, targets in graph().items() for b in targets if layer_of(b) > layer_of(a)]
     assert not upward, f"imports of a higher layer (module -> what it imports): {upward}"
+
+
+def test_specache_and_the_hf_adapter_import_nothing_of_the_project_but_specache():
+    """Copy-paste: specache.py stands on torch and the standard library; integrations/hf.py on them,
+    transformers and specache.py."""
+    edges = graph()
+    assert edges["specache"] == set() and edges["integrations.hf"] == {"specache"}
+    stdlib = set(sys.stdlib_module_names)
+    for module, allowed in (("specache", {"torch"}), ("integrations.hf", {"torch", "transformers", "specache"})):
+        tree = ast.parse((REPO_ROOT / (module.replace(".", "/") + ".py")).read_text(encoding="utf-8"))
+        names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        assert {name.split(".")[0] for name in names} <= stdlib | allowed, module
 
 
 def test_there_are_no_import_cycles():

@@ -12,12 +12,9 @@ from generate import generate
 from tokenizer import get_tokenizer
 
 
-@pytest.fixture(scope="module")
-def hf_gguf_model(smollm2_gguf):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
-                                                dtype=torch.float32).eval()
+@pytest.fixture
+def hf_gguf_model(hf_smollm2):
+    return hf_smollm2
 
 
 def test_logits_match_hf_loading_the_same_gguf(smollm2_model, smollm2_checkpoint, hf_gguf_model):
