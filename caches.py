@@ -7,7 +7,8 @@ eviction.EvictionCache; each plugs a module into every layer's `attention.kv_cac
     begin(tokens, lengths, held)  a generation of the right-padded prompts starts: per-generation
                                   state is reset (prefill follows, through the model's layers, in
                                   one piece or in chunks); `held` > 0 (caches that `chunks`): each
-                                  sequence holds that many tokens already, which the prompts continue
+                                  sequence holds that many tokens already, which the prompts
+                                  continue
     ingest(recorded)              instead of prefill: each layer's prompt (K, V, the attention each
                                   key got or None) from a prefill done elsewhere, after `begin`
                                   (scripts/harness.py shares one prefill among caches)
@@ -30,6 +31,7 @@ options), or with the bits and an optional selection in the name (`specache-1bit
 `streaming` and `h2o`. A selection may name an oracle (`specache-1bit:oracle`, `:oracle=mass`):
 diagnostics, not a method (specache_stats.py).
 """
+
 import re
 from dataclasses import replace
 from functools import partial
@@ -42,8 +44,15 @@ from disk_tier import DiskFolder, DiskTier
 from eviction import EvictionCache, EvictionConfig, EvictionLayer, EvictionState
 from kernels import dense_cpu, lowbit_cpu, lowbit_triton, rank_cpu
 from model import FLEX_BLOCK_SIZE, KVCache, RingKVCache, Transformer
-from specache import (Method, Selection, SpeCache, SpeCacheConfig, SpeCacheLayer, SpeCacheState,
-                      sixteen_bit_dtype)
+from specache import (
+    Method,
+    Selection,
+    SpeCache,
+    SpeCacheConfig,
+    SpeCacheLayer,
+    SpeCacheState,
+    sixteen_bit_dtype,
+)
 from specache_stats import Diagnostics, cache_stats, step_bytes
 
 try:
@@ -52,8 +61,18 @@ except ImportError:  # torch without FlexAttention: the SDPA path still works
     BlockMask = None
 
 KINDS = ("full", "specache", "specache-nospec", "kivi", "streaming", "h2o")
-NAMED_METHODS = ("full", "full-16bit", "specache-1bit", "specache-2bit", "specache-nospec-1bit",
-                 "specache-nospec-2bit", "kivi-1bit", "kivi-2bit", "streaming", "h2o")
+NAMED_METHODS = (
+    "full",
+    "full-16bit",
+    "specache-1bit",
+    "specache-2bit",
+    "specache-nospec-1bit",
+    "specache-nospec-2bit",
+    "kivi-1bit",
+    "kivi-2bit",
+    "streaming",
+    "h2o",
+)
 LOW_BIT_KINDS = ("specache", "specache-nospec", "kivi")
 ORACLES = ("error", "mass")
 
@@ -71,8 +90,15 @@ def causal_mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tens
 
 def create_causal_block_mask(max_seq_length: int, device: Union[str, torch.device]) -> "BlockMask":
     """The one causal BlockMask of a generation; each step slices the rows it needs from it."""
-    return create_block_mask(causal_mask_mod, 1, 1, max_seq_length, max_seq_length, device=device,
-                             BLOCK_SIZE=FLEX_BLOCK_SIZE)
+    return create_block_mask(
+        causal_mask_mod,
+        1,
+        1,
+        max_seq_length,
+        max_seq_length,
+        device=device,
+        BLOCK_SIZE=FLEX_BLOCK_SIZE,
+    )
 
 
 def slice_block_mask(causal: "BlockMask", input_pos: Tensor) -> "BlockMask":
@@ -89,9 +115,15 @@ def slice_block_mask(causal: "BlockMask", input_pos: Tensor) -> "BlockMask":
         return kv_idx <= pos[b]
 
     return BlockMask.from_kv_blocks(
-        pick(causal.kv_num_blocks), pick(causal.kv_indices), pick(causal.full_kv_num_blocks),
-        pick(causal.full_kv_indices), BLOCK_SIZE=causal.BLOCK_SIZE, mask_mod=mask_mod,
-        seq_lengths=(1, causal.seq_lengths[1]), compute_q_blocks=False)
+        pick(causal.kv_num_blocks),
+        pick(causal.kv_indices),
+        pick(causal.full_kv_num_blocks),
+        pick(causal.full_kv_indices),
+        BLOCK_SIZE=causal.BLOCK_SIZE,
+        mask_mod=mask_mod,
+        seq_lengths=(1, causal.seq_lengths[1]),
+        compute_q_blocks=False,
+    )
 
 
 class KernelKVCache(KVCache):
@@ -116,17 +148,26 @@ class FullCache:
     whole_step = True
     chunks = True
 
-    def __init__(self, model: Transformer, batch_size: int, max_seq_length: int,
-                 use_flex: bool = False, sixteen_bit: bool = False):
+    def __init__(
+        self,
+        model: Transformer,
+        batch_size: int,
+        max_seq_length: int,
+        use_flex: bool = False,
+        sixteen_bit: bool = False,
+    ):
         model_dtype = model.tok_embeddings.weight.dtype
         self.kv_dtype = sixteen_bit_dtype(model_dtype) if sixteen_bit else model_dtype
         device = model.tok_embeddings.weight.device
         kernel = device.type == "cpu" and dense_cpu.available()
-        model.setup_caches(batch_size, max_seq_length, self.kv_dtype,
-                           kv_cache=KernelKVCache if kernel else KVCache)
+        model.setup_caches(
+            batch_size, max_seq_length, self.kv_dtype, kv_cache=KernelKVCache if kernel else KVCache
+        )
         self.model = model
         use_flex = use_flex and not kernel  # the kernel reads the cache by position: no block mask
-        self.block_mask = create_causal_block_mask(model.max_seq_length, device) if use_flex else None
+        self.block_mask = (
+            create_causal_block_mask(model.max_seq_length, device) if use_flex else None
+        )
 
     def begin(self, tokens: Tensor, lengths: Tensor, held: int = 0) -> None:
         pass  # prefill overwrites every position a generation reads, from `held` on
@@ -156,8 +197,9 @@ class FullCache:
         return {"cache": "full", "kv_dtype": str(self.kv_dtype)}
 
 
-def full_cache_step_bytes(model: Transformer, positions: list[int],
-                          element_size: Optional[int] = None) -> int:
+def full_cache_step_bytes(
+    model: Transformer, positions: list[int], element_size: Optional[int] = None
+) -> int:
     """KV bytes a full-cache decode step reads when its sequences hold `positions` tokens each:
     full-attention layers read every position, sliding-window layers their whole ring (elements of
     `element_size` bytes, default the model's)."""
@@ -188,36 +230,64 @@ class PluggedSpeCache(SpeCache):
 
     chunks = True  # a prompt's chunk reads its history from the slow tier (KIVI: the low-bit copy)
 
-    def __init__(self, model: Transformer, batch_size: int, max_seq_length: int,
-                 config: SpeCacheConfig, slow_tier: str = "ram", slow_tier_dir: Optional[str] = None,
-                 probe: Optional[Diagnostics] = None):
+    def __init__(
+        self,
+        model: Transformer,
+        batch_size: int,
+        max_seq_length: int,
+        config: SpeCacheConfig,
+        slow_tier: str = "ram",
+        slow_tier_dir: Optional[str] = None,
+        probe: Optional[Diagnostics] = None,
+    ):
         c, layers = model.config, model.layers
         if all(layer.attention.window is not None for layer in layers):
-            raise ValueError("every layer of this model attends over a sliding window only, which "
-                             "stays in the fast tier whole: SpeCache has nothing to offload; use "
-                             "the full cache")
+            raise ValueError(
+                "every layer of this model attends over a sliding window only, which "
+                "stays in the fast tier whole: SpeCache has nothing to offload; use "
+                "the full cache"
+            )
         device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
         if slow_tier not in ("ram", "disk"):
             raise ValueError(f"the slow tier is ram or disk, got {slow_tier!r}")
         if slow_tier == "disk" and device.type != "cpu":
-            raise ValueError("--slow_tier disk is for CPU-only machines: beside a GPU the slow tier "
-                             "is host RAM")
+            raise ValueError(
+                "--slow_tier disk is for CPU-only machines: beside a GPU the slow tier is host RAM"
+            )
         self.folder = DiskFolder(slow_tier_dir) if slow_tier == "disk" else None
         if self.folder is not None:
             disk = partial(DiskTier, folder=self.folder)
             config = replace(config, placement=replace(config.placement, slow_tier=disk))
         accelerate_specache()
         full = sum(layer.attention.window is None for layer in layers)
-        super().__init__(config, full, c.n_head, c.n_local_heads, c.head_dim, batch_size,
-                         max_seq_length, device, dtype, probe)
+        super().__init__(
+            config,
+            full,
+            c.n_head,
+            c.n_local_heads,
+            c.head_dim,
+            batch_size,
+            max_seq_length,
+            device,
+            dtype,
+            probe,
+        )
         pair_dtype = config.placement.pair_dtype_for(dtype)
         ours = iter(self.layers)
         for layer in layers:
             window = layer.attention.window
-            layer.attention.kv_cache = next(ours) if window is None else RingKVCache(
-                batch_size, window, c.n_local_heads, c.head_dim, pair_dtype, device)
-        self.rings = [layer.attention.kv_cache for layer in layers
-                      if isinstance(layer.attention.kv_cache, RingKVCache)]
+            layer.attention.kv_cache = (
+                next(ours)
+                if window is None
+                else RingKVCache(
+                    batch_size, window, c.n_local_heads, c.head_dim, pair_dtype, device
+                )
+            )
+        self.rings = [
+            layer.attention.kv_cache
+            for layer in layers
+            if isinstance(layer.attention.kv_cache, RingKVCache)
+        ]
         model.setup_rope(self.capacity + 1)  # the speculative row sits one past the last real one
         model.max_batch_size, model.max_seq_length = batch_size, self.capacity
         self.model = model
@@ -229,8 +299,9 @@ class PluggedSpeCache(SpeCache):
 
     def begin(self, tokens: Tensor, lengths: Tensor, held: int = 0) -> None:
         if held and self.folder is not None and self.folder.path is None:
-            raise ValueError("the slow tier's files went with the last generation (finish without "
-                             "keep)")
+            raise ValueError(
+                "the slow tier's files went with the last generation (finish without keep)"
+            )
         if self.folder is not None and not held:
             self.folder.open()  # a fresh folder of empty files
         super().begin(tokens, lengths, held)
@@ -274,9 +345,11 @@ def parse_method(method: str) -> tuple[str, Optional[int], Optional[str]]:
     else:
         kind, bits = base, None
     if kind not in KINDS or (select and kind not in LOW_BIT_KINDS):
-        raise ValueError(f"unknown method {method!r}: use one of {', '.join(NAMED_METHODS)}, or "
-                         f"{', '.join(LOW_BIT_KINDS)} with the bits as an option; SpeCache and "
-                         "KIVI methods take a selection after a colon (see --specache_select)")
+        raise ValueError(
+            f"unknown method {method!r}: use one of {', '.join(NAMED_METHODS)}, or "
+            f"{', '.join(LOW_BIT_KINDS)} with the bits as an option; SpeCache and "
+            "KIVI methods take a selection after a colon (see --specache_select)"
+        )
     if select:
         split_oracle(select)
     return kind, bits, select or None
@@ -298,15 +371,26 @@ def split_oracle(select: str) -> tuple[Selection, Optional[str]]:
     return (selection, None) if oracle is None else (replace(selection, real_share=1.0), oracle)
 
 
-def specache_config(kind: str, bits: Optional[int] = None, select: Optional[str] = None,
-                    topk: int = 64, group: int = 64, residual: int = 64,
-                    pair_dtype: Optional[torch.dtype] = None, overlap_fetch: bool = True
-                    ) -> tuple[SpeCacheConfig, Optional[str]]:
+def specache_config(
+    kind: str,
+    bits: Optional[int] = None,
+    select: Optional[str] = None,
+    topk: int = 64,
+    group: int = 64,
+    residual: int = 64,
+    pair_dtype: Optional[torch.dtype] = None,
+    overlap_fetch: bool = True,
+) -> tuple[SpeCacheConfig, Optional[str]]:
     """The SpeCacheConfig of a low-bit kind, and the oracle its selection names: SpeCache
     (speculative or not) with our selection unless `select` names another, or KIVI (nothing
     fetched) with the paper's levels unless it names others."""
-    method = Method(bits=bits or 1, group=group, residual=residual,
-                    topk=0 if kind == "kivi" else topk, speculative=kind == "specache")
+    method = Method(
+        bits=bits or 1,
+        group=group,
+        residual=residual,
+        topk=0 if kind == "kivi" else topk,
+        speculative=kind == "specache",
+    )
     selection, oracle = split_oracle(select or ("paper" if kind == "kivi" else "default"))
     placement = SpeCacheConfig().placement
     placement = replace(placement, pair_dtype=pair_dtype, overlap_fetch=overlap_fetch)
@@ -322,18 +406,33 @@ def equal_budget_tokens(model: Transformer, capacity: int, config: SpeCacheConfi
     meta = torch.device("meta")  # sizes only: nothing is allocated
     query_heads = c.n_head // c.n_local_heads
     state = SpeCacheState(config, 1, capacity, meta, c.head_dim, dtype, query_heads)
-    layer = SpeCacheLayer(state, 0, c.n_head, c.n_local_heads, c.head_dim, dtype, meta,
-                          make_tier=lambda spec: None)
-    one_slot = EvictionLayer(EvictionState(EvictionConfig("h2o", budget=1), 1), c.n_local_heads,
-                             c.head_dim, dtype, meta)
+    layer = SpeCacheLayer(
+        state, 0, c.n_head, c.n_local_heads, c.head_dim, dtype, meta, make_tier=lambda spec: None
+    )
+    one_slot = EvictionLayer(
+        EvictionState(EvictionConfig("h2o", budget=1), 1), c.n_local_heads, c.head_dim, dtype, meta
+    )
     return layer.fast_tier_bytes() // one_slot.fast_tier_bytes()
 
 
-def make_cache(method: str, model: Transformer, batch_size: int, capacity: int, *, bits: int = 1,
-               select: Optional[str] = None, topk: int = 64, budget_tokens: Optional[int] = None,
-               budget_bits: int = 1, sink_tokens: int = 4, use_flex: bool = False,
-               stats: bool = False, slow_tier: str = "ram", slow_tier_dir: Optional[str] = None,
-               **options):
+def make_cache(
+    method: str,
+    model: Transformer,
+    batch_size: int,
+    capacity: int,
+    *,
+    bits: int = 1,
+    select: Optional[str] = None,
+    topk: int = 64,
+    budget_tokens: Optional[int] = None,
+    budget_bits: int = 1,
+    sink_tokens: int = 4,
+    use_flex: bool = False,
+    stats: bool = False,
+    slow_tier: str = "ram",
+    slow_tier_dir: Optional[str] = None,
+    **options,
+):
     """The cache `method` names, set up in `model` for `batch_size` sequences of `capacity`
     positions.
 
@@ -346,14 +445,16 @@ def make_cache(method: str, model: Transformer, batch_size: int, capacity: int, 
     """
     kind, named_bits, named_select = parse_method(method)
     if kind == "full":
-        return FullCache(model, batch_size, capacity, use_flex,
-                         sixteen_bit=(named_bits or bits) == 16)
+        return FullCache(
+            model, batch_size, capacity, use_flex, sixteen_bit=(named_bits or bits) == 16
+        )
     if kind in ("streaming", "h2o"):
         budget_config = SpeCacheConfig(Method(bits=budget_bits, topk=topk))
         budget = budget_tokens or equal_budget_tokens(model, capacity, budget_config)
         return EvictionCache(model, batch_size, capacity, EvictionConfig(kind, budget, sink_tokens))
-    config, oracle = specache_config(kind, named_bits or bits, named_select or select, topk,
-                                     **options)
+    config, oracle = specache_config(
+        kind, named_bits or bits, named_select or select, topk, **options
+    )
     probe = None
     if stats or oracle:
         c, device = model.config, model.tok_embeddings.weight.device

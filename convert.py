@@ -22,7 +22,8 @@ Files are written to a temporary name and renamed at the end, so an interrupted 
 half-written model.pth. The command-line tools are scripts/convert_hf_checkpoint.py,
 scripts/convert_gguf.py and scripts/gguf_sentencepiece.py.
 
-Gemma 3's tokenizer from its GGUF: a GGUF of a SentencePiece model ("tokenizer.ggml.model" = "llama") stores every piece with its score
+Gemma 3's tokenizer from its GGUF: a GGUF of a SentencePiece model ("tokenizer.ggml.model" =
+"llama") stores every piece with its score
 and type, but not the ModelProto's trainer and normalizer specs, and llama.cpp's converter rewrote
 some pieces on the way in. `build_sentencepiece_model` undoes that and fills in the specs so that
 `sentencepiece` encodes exactly as Gemma 3's own tokenizer.model does:
@@ -31,12 +32,14 @@ some pieces on the way in. `build_sentencepiece_model` undoes that and fills in 
   removal of extra whitespace, spaces escaped to U+2581 -- Gemma's "split digits, preserved
   whitespace, byte-level encodings" (the GGUF's add_space_prefix is False). split_digits and
   allow_whitespace_only_pieces are training options, set only to describe the model truthfully.
-- Types: llama.cpp marks as CONTROL every token that HF's tokenizer_config calls special. In the real
+- Types: llama.cpp marks as CONTROL every token that HF's tokenizer_config calls special. In the
+real
   model only <pad>, <eos> and <bos> are control and <unk> is unknown; the rest (<start_of_turn>,
   <end_of_turn>, <mask>, <unusedN>, ...) are user-defined, so text that spells them encodes to the
   one token and decodes back to the text. The real model counts 255474 normal, 6410 user-defined,
   256 byte, 3 control and 1 unknown pieces; this mapping gives the same counts for Gemma 3's GGUF.
-- Spaces: llama.cpp respells a user-defined piece's U+2581 as a real space ("  " for "\u2581\u2581").
+- Spaces: llama.cpp respells a user-defined piece's U+2581 as a real space ("  " for
+"\u2581\u2581").
   The normalizer turns every space into U+2581 before pieces are matched, so a piece holding a real
   space could never match; it is spelled back. In Gemma 3 these are exactly the 30 runs of 2 to 31
   spaces: no piece mixes spaces with newlines or tabs, and the newline and tab runs, which the
@@ -48,6 +51,7 @@ some pieces on the way in. `build_sentencepiece_model` undoes that and fills in 
 
 The ModelProto is built with the classes sentencepiece ships, which need `protobuf`.
 """
+
 import json
 import os
 import re
@@ -94,24 +98,38 @@ GEMMA3_WEIGHT_MAP = {
 }
 # A multimodal Gemma-3 keeps its language model under one of these prefixes (old and new
 # transformers), beside a vision tower and projector that a text model has no use for.
-LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
-                           "language_model.lm_head.": "lm_head."}
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+LANGUAGE_MODEL_PREFIXES = {
+    "language_model.model.": "model.",
+    "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
 
 
 def rotate_half_to_interleaved(w: torch.Tensor, n_head: int, head_dim: int) -> torch.Tensor:
     """Reorder the rows of a q/k projection (weight or bias) from HF's layout to RoPE pairs."""
     rest = w.shape[1:]
-    return w.reshape(n_head, 2, head_dim // 2, *rest).transpose(1, 2).reshape(n_head * head_dim, *rest)
+    return (
+        w.reshape(n_head, 2, head_dim // 2, *rest).transpose(1, 2).reshape(n_head * head_dim, *rest)
+    )
 
 
 def permute_qk(state_dict: dict, config: ModelArgs) -> None:
     """q/k projections (and q/k norm weights, which scale the same channels) from rotate-half to
     interleaved, in place."""
     for key in [k for k in state_dict if ".wq." in k]:
-        state_dict[key] = rotate_half_to_interleaved(state_dict[key], config.n_head, config.head_dim)
+        state_dict[key] = rotate_half_to_interleaved(
+            state_dict[key], config.n_head, config.head_dim
+        )
         k_key = key.replace(".wq.", ".wk.")
-        state_dict[k_key] = rotate_half_to_interleaved(state_dict[k_key], config.n_local_heads, config.head_dim)
+        state_dict[k_key] = rotate_half_to_interleaved(
+            state_dict[k_key], config.n_local_heads, config.head_dim
+        )
     for key in [k for k in state_dict if k.endswith((".q_norm.weight", ".k_norm.weight"))]:
         state_dict[key] = rotate_half_to_interleaved(state_dict[key], 1, config.head_dim)
 
@@ -132,18 +150,25 @@ def load_hf_state_dict(checkpoint_dir: Path) -> dict:
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
             break
     else:
-        files = [name for name in ("model.safetensors", "pytorch_model.bin") if (checkpoint_dir / name).is_file()][:1]
+        files = [
+            name
+            for name in ("model.safetensors", "pytorch_model.bin")
+            if (checkpoint_dir / name).is_file()
+        ][:1]
     if not files:
         raise FileNotFoundError(
             f"{checkpoint_dir} has no model.safetensors, pytorch_model.bin or sharded index; "
-            "download the model first (scripts/download.py)")
+            "download the model first (scripts/download.py)"
+        )
     state_dict = {}
     for name in files:
         path = checkpoint_dir / name
         if name.endswith(".safetensors"):
             state_dict.update(load_file(str(path), device="cpu"))
         else:
-            state_dict.update(torch.load(str(path), map_location="cpu", mmap=True, weights_only=True))
+            state_dict.update(
+                torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+            )
     return state_dict
 
 
@@ -156,10 +181,13 @@ def convert_state_dict(hf_state_dict: dict, config: ModelArgs) -> dict:
             continue
         for prefix, replacement in LANGUAGE_MODEL_PREFIXES.items():
             if key.startswith(prefix):
-                key = replacement + key[len(prefix):]
+                key = replacement + key[len(prefix) :]
         abstract_key = re.sub(r"\.(\d+)\.", ".{}.", key, count=1)
         if abstract_key not in weight_map:
-            raise KeyError(f"unexpected tensor {key!r} in the HF checkpoint (not a Llama-family or Gemma-3 model?)")
+            raise KeyError(
+                f"unexpected tensor {key!r} in the HF checkpoint (not a Llama-family or Gemma-3 "
+                "model?)"
+            )
         new_key = weight_map[abstract_key]
         if new_key is None:
             continue
@@ -189,7 +217,9 @@ def save_atomically(state_dict: dict, path: Path) -> None:
 def convert_hf_checkpoint(checkpoint_dir: Path, model_name: Optional[str] = None) -> Path:
     config_file = checkpoint_dir / "config.json"
     if config_file.is_file():
-        config = ModelArgs.from_hf_config(json.loads(config_file.read_text()), name=checkpoint_dir.name)
+        config = ModelArgs.from_hf_config(
+            json.loads(config_file.read_text()), name=checkpoint_dir.name
+        )
     else:
         config = ModelArgs.from_name(model_name or checkpoint_dir.name)
     state_dict = convert_state_dict(load_hf_state_dict(checkpoint_dir), config)
@@ -241,7 +271,9 @@ def _field(reader, key: str, default=None):
 def read_config(reader) -> dict:
     arch = _field(reader, "general.architecture")
     if arch not in ("llama", "gemma3"):
-        raise ValueError(f"GGUF architecture {arch!r} is not supported here (only llama and gemma3)")
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported here (only llama and gemma3)"
+        )
     n_head = _field(reader, f"{arch}.attention.head_count")
     dim = _field(reader, f"{arch}.embedding_length")
     n_layer = _field(reader, f"{arch}.block_count")
@@ -267,19 +299,26 @@ def read_config(reader) -> dict:
     if arch == "gemma3":
         head_dim = _field(reader, "gemma3.attention.key_length")
         scaling = _field(reader, "gemma3.rope.scaling.type")
-        config.update({
-            "model_type": "gemma3_text",
-            "architectures": ["Gemma3ForCausalLM"],
-            "head_dim": head_dim,
-            "sliding_window": _field(reader, "gemma3.attention.sliding_window"),
-            "sliding_window_pattern": 6,
-            "rope_local_base_freq": 10000.0,
-            "query_pre_attn_scalar": dim // n_head if n_layer == 62 else head_dim,
-            "rope_scaling": {"rope_type": "linear", "factor": _field(reader, "gemma3.rope.scaling.factor")}
-            if scaling == "linear" else None,
-        })
+        config.update(
+            {
+                "model_type": "gemma3_text",
+                "architectures": ["Gemma3ForCausalLM"],
+                "head_dim": head_dim,
+                "sliding_window": _field(reader, "gemma3.attention.sliding_window"),
+                "sliding_window_pattern": 6,
+                "rope_local_base_freq": 10000.0,
+                "query_pre_attn_scalar": dim // n_head if n_layer == 62 else head_dim,
+                "rope_scaling": {
+                    "rope_type": "linear",
+                    "factor": _field(reader, "gemma3.rope.scaling.factor"),
+                }
+                if scaling == "linear"
+                else None,
+            }
+        )
         tokens = _field(reader, "tokenizer.ggml.tokens")
-        if "<end_of_turn>" in tokens:  # Gemma's chat turns end with it; generation should stop there too
+        # Gemma's chat turns end with it; generation should stop there too
+        if "<end_of_turn>" in tokens:
             config["eos_token_id"] = [config["eos_token_id"], tokens.index("<end_of_turn>")]
     return config
 
@@ -289,7 +328,9 @@ def read_state_dict(reader, config: Optional[dict] = None) -> dict:
     from gguf.quants import dequantize
 
     state_dict = {}
-    for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF tensors", unit="tensor", file=sys.stderr):
+    for tensor in tqdm(
+        reader.tensors, desc="Dequantizing GGUF tensors", unit="tensor", file=sys.stderr
+    ):
         parts = tensor.name.split(".")
         layer = parts[1] if parts[0] == "blk" else None
         key = ".".join(parts[:1] + ["{}"] + parts[2:]) if layer is not None else tensor.name
@@ -312,10 +353,25 @@ def build_tokenizer_json(reader) -> dict:
     tokens = _field(reader, "tokenizer.ggml.tokens")
     token_types = _field(reader, "tokenizer.ggml.token_type")
     control = 3
-    added = [{"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True}
-             for i, (tok, kind) in enumerate(zip(tokens, token_types)) if kind == control]
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    added = [
+        {
+            "id": i,
+            "content": tok,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i, (tok, kind) in enumerate(zip(tokens, token_types))
+        if kind == control
+    ]
+    byte_level = {
+        "type": "ByteLevel",
+        "add_prefix_space": False,
+        "trim_offsets": True,
+        "use_regex": True,
+    }
     return {
         "version": "1.0",
         "truncation": None,
@@ -323,12 +379,27 @@ def build_tokenizer_json(reader) -> dict:
         "added_tokens": added,
         "normalizer": None,
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": PRE_TOKENIZERS[pre] + [byte_level]},
-        "post_processor": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False,
-                           "use_regex": True},
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "post_processor": {
+            "type": "ByteLevel",
+            "add_prefix_space": True,
+            "trim_offsets": False,
+            "use_regex": True,
+        },
+        "decoder": {
+            "type": "ByteLevel",
+            "add_prefix_space": True,
+            "trim_offsets": True,
+            "use_regex": True,
+        },
         "model": {
-            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
             "vocab": {tok: i for i, tok in enumerate(tokens)},
             "merges": [m.split(" ", 1) for m in _field(reader, "tokenizer.ggml.merges")],
         },
@@ -360,16 +431,19 @@ def convert_gguf(gguf_path: Path, checkpoint_dir: Path) -> Path:
     if _field(reader, "tokenizer.ggml.model") == "llama":
         (checkpoint_dir / "tokenizer.model").write_bytes(build_sentencepiece_model(reader))
     else:
-        files += [("tokenizer.json", build_tokenizer_json(reader)),
-                  ("tokenizer_config.json", build_tokenizer_config(reader))]
+        files += [
+            ("tokenizer.json", build_tokenizer_json(reader)),
+            ("tokenizer_config.json", build_tokenizer_config(reader)),
+        ]
     for name, content in files:
         (checkpoint_dir / name).write_text(json.dumps(content, ensure_ascii=False, indent=1))
     out = checkpoint_dir / "model.pth"
-    save_atomically(read_state_dict(reader, config), out)  # last: a present model.pth means a complete directory
+    # last: a present model.pth means a complete directory
+    save_atomically(read_state_dict(reader, config), out)
     return out
 
 
-# --- SentencePiece from a GGUF vocabulary (Gemma 3) ------------------------------------------------
+# --- SentencePiece from a GGUF vocabulary (Gemma 3) -----------------------------------------------
 
 # GGUF's token types use SentencePiece's numbering (1 normal, 2 unknown, 3 control, 4 user-defined,
 # 5 unused, 6 byte).
@@ -377,7 +451,8 @@ UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
 
 
 def build_sentencepiece_model(reader) -> bytes:
-    """A serialized SentencePiece ModelProto for the GGUF vocabulary `reader` (a `gguf.GGUFReader`) holds."""
+    """A serialized SentencePiece ModelProto for the GGUF vocabulary `reader` (a `gguf.GGUFReader`)
+    holds."""
     from sentencepiece import sentencepiece_model_pb2 as pb
 
     if _field(reader, "tokenizer.ggml.model") != "llama":
@@ -385,9 +460,15 @@ def build_sentencepiece_model(reader) -> bytes:
     tokens = _field(reader, "tokenizer.ggml.tokens")
     scores = _field(reader, "tokenizer.ggml.scores")
     types = _field(reader, "tokenizer.ggml.token_type")
-    special = {name: _field(reader, f"tokenizer.ggml.{key}") for name, key in
-               (("unk", "unknown_token_id"), ("bos", "bos_token_id"), ("eos", "eos_token_id"),
-                ("pad", "padding_token_id"))}
+    special = {
+        name: _field(reader, f"tokenizer.ggml.{key}")
+        for name, key in (
+            ("unk", "unknown_token_id"),
+            ("bos", "bos_token_id"),
+            ("eos", "eos_token_id"),
+            ("pad", "padding_token_id"),
+        )
+    }
     control_ids = {special["bos"], special["eos"], special["pad"]} - {None}
 
     model = pb.ModelProto()
@@ -415,7 +496,8 @@ def build_sentencepiece_model(reader) -> bytes:
 
     normalizer = model.normalizer_spec
     normalizer.name = "identity"
-    # llama.cpp's default for a SentencePiece vocabulary that does not say (Llama-2); Gemma says False.
+    # llama.cpp's default for a SentencePiece vocabulary that does not say (Llama-2); Gemma says
+    # False.
     normalizer.add_dummy_prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))
     normalizer.remove_extra_whitespaces = False
     normalizer.escape_whitespaces = True

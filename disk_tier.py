@@ -30,6 +30,7 @@ and a context whose 16-bit cache does not fit in memory can still be decoded.
   interpreter exit for one left open (generate.py turns SIGTERM and SIGHUP into an exit); two
   processes never share one. `kill -9` leaves it.
 """
+
 import errno
 import mmap
 import os
@@ -59,14 +60,17 @@ def default_directory() -> str:
 
 
 def filesystem_type(path: str) -> str:
-    """The type of the filesystem holding `path` (Linux: the longest mount point above it), or ''."""
+    """The type of the filesystem holding `path` (Linux: the longest mount point above it), or
+    ''."""
     path, found = os.path.realpath(path), ("", "")
     try:
         with open("/proc/mounts") as mounts:
             for line in mounts:
                 fields = line.split()
                 point = fields[1].replace("\\040", " ")
-                if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(found[0]):
+                if (path == point or path.startswith(point.rstrip("/") + "/")) and len(
+                    point
+                ) >= len(found[0]):
                     found = (point, fields[2])
     except OSError:
         pass
@@ -107,27 +111,41 @@ class DiskFolder:
         each step fill it)."""
         self.close()
         if not os.path.isdir(self.parent):
-            raise SlowTierError(f"the slow tier's directory {self.parent} does not exist (--slow_tier_dir)")
+            raise SlowTierError(
+                f"the slow tier's directory {self.parent} does not exist (--slow_tier_dir)"
+            )
         filesystem = filesystem_type(self.parent)
         if filesystem in ("tmpfs", "ramfs"):
-            warnings.warn(f"the slow tier's directory {self.parent} is on {filesystem}, which is RAM: give "
-                          "--slow_tier_dir on a disk", stacklevel=2)
+            warnings.warn(
+                f"the slow tier's directory {self.parent} is on {filesystem}, which is RAM: give "
+                "--slow_tier_dir on a disk",
+                stacklevel=2,
+            )
         try:
-            self._live["path"] = tempfile.mkdtemp(prefix=f"specache-{os.getpid()}-", dir=self.parent)
+            self._live["path"] = tempfile.mkdtemp(
+                prefix=f"specache-{os.getpid()}-", dir=self.parent
+            )
             free = shutil.disk_usage(self.path).free
             if free < self.nbytes():
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             for i, tier in enumerate(self.tiers):
-                fd = os.open(os.path.join(self.path, f"layer{i:03d}.kv"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                fd = os.open(
+                    os.path.join(self.path, f"layer{i:03d}.kv"),
+                    os.O_RDWR | os.O_CREAT | os.O_EXCL,
+                    0o600,
+                )
                 self._live["fds"].append(fd)
                 os.ftruncate(fd, tier.nbytes())
                 tier.open(fd)
         except OSError as error:
             self.fail(error, "making")
         # One pool per kind of read: a read the step waits for must not queue behind prefetches
-        # still in flight (in one pool it did: 1.6x slower cold at 64k than waiting for each prefetch).
-        self.pools = {kind: ThreadPoolExecutor(IO_THREADS, thread_name_prefix=f"specache-disk-{kind}")
-                      for kind in ("prefetch", "picks")}
+        # still in flight (in one pool it did: 1.6x slower cold at 64k than waiting for each
+        # prefetch).
+        self.pools = {
+            kind: ThreadPoolExecutor(IO_THREADS, thread_name_prefix=f"specache-disk-{kind}")
+            for kind in ("prefetch", "picks")
+        }
 
     def close(self) -> None:
         """The generation ended (or failed): wait for the reads in flight, remove the files."""
@@ -143,12 +161,18 @@ class DiskFolder:
         where = self.path or self.parent
         self.close()
         if error.errno == errno.ENODEV:
-            message = (f"the filesystem of {self.parent} cannot memory-map files, which the disk tier reads "
-                       "through; give --slow_tier_dir on a local disk")
+            message = (
+                f"the filesystem of {self.parent} cannot memory-map files, which the disk tier "
+                "reads "
+                "through; give --slow_tier_dir on a local disk"
+            )
         elif error.errno == errno.ENOSPC:
-            message = (f"no space left for SpeCache's slow tier in {self.parent}: it needs "
-                       f"{self.nbytes() / 1e9:.2f} GB at this capacity; free some, or give --slow_tier_dir on a "
-                       "disk with room")
+            message = (
+                f"no space left for SpeCache's slow tier in {self.parent}: it needs "
+                f"{self.nbytes() / 1e9:.2f} GB at this capacity; free some, or give "
+                "--slow_tier_dir on a "
+                "disk with room"
+            )
         else:
             message = f"{doing} SpeCache's slow tier in {where} failed: {error.strerror or error}"
         raise SlowTierError(message + " (its files were removed)") from error
@@ -165,6 +189,7 @@ class PendingRead(NamedTuple):
     """Reads in flight for the pairs at `positions` (B, Hkv, K) where `valid`: per sequence, the
     sorted positions read and their staging buffer (N, Hkv, 2, D), or None; which pairs come from
     the previous read of this kind (`reused`, at `source`) instead."""
+
     positions: Tensor
     valid: Tensor
     staged: list[Optional[tuple[Tensor, Tensor]]]
@@ -197,16 +222,21 @@ class DiskTier:
 
     def open(self, fd: int) -> None:
         self.fd = fd
-        with warnings.catch_warnings():  # torch warns, once per process, that the map is read-only: it is meant to be
+        # torch warns, once per process, that the map is read-only: it is meant to be
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.mapped()  # and a filesystem that cannot map files fails here, when the generation begins
+            # and a filesystem that cannot map files fails here, when the generation begins
+            self.mapped()
 
     def mapped(self) -> Tensor:
-        """The file as (B x T, Hkv, 2, D), through a fresh read-only map (shared with the page cache;
+        """The file as (B x T, Hkv, 2, D), through a fresh read-only map (shared with the page
+        cache;
         a private writable one would be charged against the memory the kernel commits)."""
         mapping = mmap.mmap(self.fd, self.nbytes(), access=mmap.ACCESS_READ)
         mapping.madvise(mmap.MADV_RANDOM)  # no readahead around scattered positions
-        return torch.frombuffer(mapping, dtype=self.dtype).view(-1, self.n_kv_heads, 2, self.head_dim)
+        return torch.frombuffer(mapping, dtype=self.dtype).view(
+            -1, self.n_kv_heads, 2, self.head_dim
+        )
 
     def reset(self) -> None:
         self.pending = None
@@ -248,10 +278,14 @@ class DiskTier:
             if wanted.numel() == 0:
                 staged.append(None)
                 continue
-            staging = torch.empty(wanted.numel(), self.n_kv_heads, 2, self.head_dim, dtype=self.dtype)
+            staging = torch.empty(
+                wanted.numel(), self.n_kv_heads, 2, self.head_dim, dtype=self.dtype
+            )
             jobs = min(IO_THREADS, wanted.numel())
-            futures += [self.folder.pools[kind].submit(_gather, self, rows, out)
-                        for rows, out in zip((wanted + b * self.capacity).chunk(jobs), staging.chunk(jobs))]
+            futures += [
+                self.folder.pools[kind].submit(_gather, self, rows, out)
+                for rows, out in zip((wanted + b * self.capacity).chunk(jobs), staging.chunk(jobs))
+            ]
             staged.append((wanted, staging))
             self.bytes_read += wanted.numel() * self.position_bytes
         return PendingRead(positions, valid, staged, futures, reused, source, held)
@@ -277,7 +311,8 @@ class DiskTier:
             if entry is None:
                 continue
             wanted, staging = entry
-            row = torch.searchsorted(wanted, pending.positions[b]).clamp_(max=wanted.numel() - 1)  # (Hkv, K)
+            # (Hkv, K)
+            row = torch.searchsorted(wanted, pending.positions[b]).clamp_(max=wanted.numel() - 1)
             read = (pending.valid[b] & ~pending.reused[b]).unsqueeze(-1)
             pairs = staging[row, heads]  # (Hkv, K, 2, D)
             k[b] = torch.where(read, pairs[:, :, 0], k[b])
@@ -293,11 +328,15 @@ class DiskTier:
         """Every sequence's pairs at positions [first, last), (B, Hkv, last - first, D) each: one
         sequential read per sequence (a prefill on top of what the cache holds reads its history so;
         the map's reads would go a page at a time, without readahead)."""
-        rows = torch.empty(self.batch, last - first, self.n_kv_heads, 2, self.head_dim, dtype=self.dtype)
+        rows = torch.empty(
+            self.batch, last - first, self.n_kv_heads, 2, self.head_dim, dtype=self.dtype
+        )
         try:
             for b in range(self.batch):
-                view, offset = memoryview(rows[b].view(-1).view(torch.uint8).numpy()), \
-                    (b * self.capacity + first) * self.position_bytes
+                view, offset = (
+                    memoryview(rows[b].view(-1).view(torch.uint8).numpy()),
+                    (b * self.capacity + first) * self.position_bytes,
+                )
                 while view:
                     n = os.preadv(self.fd, [view], offset)
                     if n == 0:
@@ -317,8 +356,9 @@ class DiskTier:
     def before_step(self) -> None:
         land(self)
 
-    def after_step(self, new_k: Optional[Tensor], new_v: Optional[Tensor],
-                   kappa: Optional[Kappa]) -> None:
+    def after_step(
+        self, new_k: Optional[Tensor], new_v: Optional[Tensor], kappa: Optional[Kappa]
+    ) -> None:
         leave_layer(self, new_k, new_v, kappa)
 
 
@@ -337,8 +377,9 @@ def land(tier: DiskTier) -> None:
 
 
 @torch.compiler.disable
-def leave_layer(tier: DiskTier, new_k: Optional[Tensor], new_v: Optional[Tensor],
-                kappa: Optional[Kappa]) -> None:
+def leave_layer(
+    tier: DiskTier, new_k: Optional[Tensor], new_v: Optional[Tensor], kappa: Optional[Kappa]
+) -> None:
     """After the layer's pass: the real rows' pairs are written; the reads of kappa_{t+1} are
     queued (and without overlap, waited for)."""
     if new_k is not None:

@@ -9,7 +9,8 @@ drop the rest for good, which is what SpeCache avoids by keeping every pair in t
   far, and the newest tokens.
 
 Choices (ours, where the papers leave room or where our setting differs):
-- Equal budget: the same fast-tier bytes as SpeCache at the same capacity. `caches.equal_budget_tokens`
+- Equal budget: the same fast-tier bytes as SpeCache at the same capacity.
+`caches.equal_budget_tokens`
   divides SpeCache's fast-tier bytes per layer and sequence (low-bit copy, scales, window, fetched
   pairs, their positions) by what one kept token costs over all KV heads: its 16-bit K and V, its
   position and its score. Pairs are 16-bit as SpeCache's are (fp16 when the model runs in fp32).
@@ -24,6 +25,7 @@ Choices (ours, where the papers leave room or where our setting differs):
 - Hybrid models (Gemma-3): only full-attention layers evict; sliding-window layers keep their ring
   of the newest positions (model.RingKVCache), as the full cache and SpeCache do.
 """
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -52,12 +54,18 @@ class EvictionConfig:
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
-            raise ValueError(f"unknown eviction policy {self.policy!r}: use one of {', '.join(POLICIES)}")
+            raise ValueError(
+                f"unknown eviction policy {self.policy!r}: use one of {', '.join(POLICIES)}"
+            )
         if self.budget < 2:
-            raise ValueError(f"an eviction cache needs a budget of at least 2 tokens, got {self.budget}")
+            raise ValueError(
+                f"an eviction cache needs a budget of at least 2 tokens, got {self.budget}"
+            )
         if self.policy == "streaming" and not 0 <= self.sink_tokens < self.budget:
-            raise ValueError(f"StreamingLLM's {self.sink_tokens} sink tokens must leave room in its budget of "
-                             f"{self.budget} tokens for recent ones")
+            raise ValueError(
+                f"StreamingLLM's {self.sink_tokens} sink tokens must leave room in its budget of "
+                f"{self.budget} tokens for recent ones"
+            )
 
 
 class EvictionState:
@@ -82,8 +90,13 @@ def prompt_attention_mass(q: Tensor, k: Tensor, chunk: int = 512) -> Tensor:
     mass = torch.zeros(n_kv, n, dtype=torch.float32, device=q.device)
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
-        logits = torch.einsum("hgqd,hkd->hgqk", grouped[:, :, start:end], keys[:, :end]) * q.shape[-1] ** -0.5
-        future = torch.arange(end, device=q.device) > torch.arange(start, end, device=q.device)[:, None]
+        logits = (
+            torch.einsum("hgqd,hkd->hgqk", grouped[:, :, start:end], keys[:, :end])
+            * q.shape[-1] ** -0.5
+        )
+        future = (
+            torch.arange(end, device=q.device) > torch.arange(start, end, device=q.device)[:, None]
+        )
         mass[:, :end] += logits.masked_fill(future, float("-inf")).softmax(-1).sum((1, 2))
     return mass
 
@@ -91,16 +104,30 @@ def prompt_attention_mass(q: Tensor, k: Tensor, chunk: int = 512) -> Tensor:
 class EvictionLayer(nn.Module):
     """One layer's eviction cache, plugged in as `Attention.kv_cache` (see model.py)."""
 
-    def __init__(self, state: EvictionState, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(
+        self,
+        state: EvictionState,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         super().__init__()
         self.state, self.config = state, state.config
         shape = (len(state.prompt_lengths), n_kv_heads, state.config.budget)
-        self.register_buffer("k", torch.zeros(*shape, head_dim, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(*shape, head_dim, dtype=dtype, device=device), persistent=False)
+        self.register_buffer(
+            "k", torch.zeros(*shape, head_dim, dtype=dtype, device=device), persistent=False
+        )
+        self.register_buffer(
+            "v", torch.zeros(*shape, head_dim, dtype=dtype, device=device), persistent=False
+        )
         # Each slot's token position (-1: empty) and its accumulated attention (H2O's score).
-        self.register_buffer("pos", torch.full(shape, -1, dtype=torch.long, device=device), persistent=False)
-        self.register_buffer("score", torch.zeros(shape, dtype=torch.float32, device=device), persistent=False)
+        self.register_buffer(
+            "pos", torch.full(shape, -1, dtype=torch.long, device=device), persistent=False
+        )
+        self.register_buffer(
+            "score", torch.zeros(shape, dtype=torch.float32, device=device), persistent=False
+        )
 
     def prompt_keep(self, n: int, mass: Optional[Tensor]) -> Tensor:
         """The positions (Hkv, min(n, budget)) of an n-token prompt that the cache keeps."""
@@ -115,7 +142,8 @@ class EvictionLayer(nn.Module):
         return torch.cat([older, recent], dim=-1)
 
     def ingest_prompt(self, k: Tensor, v: Tensor, mass: Optional[list[Tensor]] = None) -> None:
-        """Keep each prompt's chosen pairs. k, v (B, Hkv, S, D); mass: H2O's (Hkv, n) per sequence."""
+        """Keep each prompt's chosen pairs. k, v (B, Hkv, S, D); mass: H2O's (Hkv, n) per
+        sequence."""
         self.pos.fill_(-1)
         self.score.zero_()
         for b, n in enumerate(self.state.prompt_lengths):
@@ -130,13 +158,19 @@ class EvictionLayer(nn.Module):
                 self.score[b, :, :m] = scores.gather(1, keep)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask) -> Tensor:
-        if isinstance(mask, CausalPrompt):  # prefill: full attention over the prompt, then keep the budget
+        # prefill: full attention over the prompt, then keep the budget
+        if isinstance(mask, CausalPrompt):
             if mask.start or q.shape[2] < max(self.state.prompt_lengths):
-                raise ValueError("eviction caches take the prompt in one piece (no --prefill_chunk)")
+                raise ValueError(
+                    "eviction caches take the prompt in one piece (no --prefill_chunk)"
+                )
             y = attention(q, k, v, CAUSAL_PROMPT)
             mass = None
             if self.config.policy == "h2o":
-                mass = [prompt_attention_mass(q[b, :, :n], k[b, :, :n]) for b, n in enumerate(self.state.prompt_lengths)]
+                mass = [
+                    prompt_attention_mass(q[b, :, :n], k[b, :, :n])
+                    for b, n in enumerate(self.state.prompt_lengths)
+                ]
             self.ingest_prompt(k, v, mass)
             return y
         if q.shape[2] != 1:
@@ -152,8 +186,10 @@ class EvictionLayer(nn.Module):
         new_pos = input_pos[:, None, :].expand(b, n_kv, 1)
         positions = torch.cat([self.pos, new_pos], 2)
         grouped = q.view(b, n_kv, q.shape[1] // n_kv, d)
-        logits = torch.einsum("bhgd,bhkd->bhgk", grouped, keys) * d ** -0.5
-        weights = logits.float().masked_fill((positions < 0).unsqueeze(2), float("-inf")).softmax(-1)
+        logits = torch.einsum("bhgd,bhkd->bhgk", grouped, keys) * d**-0.5
+        weights = (
+            logits.float().masked_fill((positions < 0).unsqueeze(2), float("-inf")).softmax(-1)
+        )
         y = torch.einsum("bhgk,bhkd->bhgd", weights.to(values.dtype), values).reshape(q.shape)
         received = weights.sum(2)  # attention each slot received, over the KV head's query heads
         self.score.add_(received[..., :-1])
@@ -189,7 +225,9 @@ class EvictionCache:
     whole_step = True
     chunks = False  # what to keep is chosen over the whole prompt at once, and what left is gone
 
-    def __init__(self, model: Transformer, batch_size: int, max_seq_length: int, config: EvictionConfig):
+    def __init__(
+        self, model: Transformer, batch_size: int, max_seq_length: int, config: EvictionConfig
+    ):
         config.validate()
         c = model.config
         device, model_dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
@@ -198,19 +236,30 @@ class EvictionCache:
         for layer in model.layers:
             window = layer.attention.window
             layer.attention.kv_cache = (
-                EvictionLayer(self.state, c.n_local_heads, c.head_dim, dtype, device) if window is None
-                else RingKVCache(batch_size, window, c.n_local_heads, c.head_dim, dtype, device))
+                EvictionLayer(self.state, c.n_local_heads, c.head_dim, dtype, device)
+                if window is None
+                else RingKVCache(batch_size, window, c.n_local_heads, c.head_dim, dtype, device)
+            )
         model.setup_rope(max_seq_length)
         model.max_batch_size, model.max_seq_length = batch_size, max_seq_length
-        self.layers = [layer.attention.kv_cache for layer in model.layers
-                       if isinstance(layer.attention.kv_cache, EvictionLayer)]
-        self.rings = [layer.attention.kv_cache for layer in model.layers
-                      if isinstance(layer.attention.kv_cache, RingKVCache)]
+        self.layers = [
+            layer.attention.kv_cache
+            for layer in model.layers
+            if isinstance(layer.attention.kv_cache, EvictionLayer)
+        ]
+        self.rings = [
+            layer.attention.kv_cache
+            for layer in model.layers
+            if isinstance(layer.attention.kv_cache, RingKVCache)
+        ]
 
     def begin(self, tokens: Tensor, lengths: Tensor, held: int = 0) -> None:
         if held:
-            raise ValueError(f"the {self.state.config.policy} cache cannot continue a generation: a new turn would "
-                             "have to attend to the tokens it evicted")
+            raise ValueError(
+                f"the {self.state.config.policy} cache cannot continue a generation: a new turn "
+                "would "
+                "have to attend to the tokens it evicted"
+            )
         self.state.begin(lengths.tolist())
 
     def ingest(self, recorded: list[tuple[Tensor, Tensor, Optional[list[Tensor]]]]) -> None:
@@ -243,6 +292,10 @@ class EvictionCache:
         fast = sum(cache.fast_tier_bytes() for cache in self.layers + self.rings)
         batch, capacity = len(self.state.prompt_lengths), self.model.max_seq_length
         full_16bit = sixteen_bit_cache_bytes(self.model, capacity, batch)
-        return {"cache": self.state.config.policy, "budget_tokens": self.state.config.budget,
-                "capacity_tokens": capacity, "fast_tier_bytes": fast,
-                "fast_tier_ratio_to_16bit_cache": fast / full_16bit}
+        return {
+            "cache": self.state.config.policy,
+            "budget_tokens": self.state.config.budget,
+            "capacity_tokens": capacity,
+            "fast_tier_bytes": fast,
+            "fast_tier_ratio_to_16bit_cache": fast / full_16bit,
+        }

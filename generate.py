@@ -9,6 +9,7 @@ tensor-parallel model (tp.py), and rank 0 prints:
 
     torchrun --standalone --nproc_per_node 3 generate.py --specache --prompt "..." --temperature 0
 """
+
 import argparse
 import contextlib
 import json
@@ -27,8 +28,15 @@ from checkpoint import UserError, load_model, load_tokenizer, resolve_checkpoint
 from disk_tier import SlowTierError
 from caches import flex_attention_available
 from model import CausalPrompt, Transformer
-from options import (add_cache_arguments, add_model_arguments, cache_from_args, cache_summary, model_dtype, pick_device,
-                     validate_cache_args)
+from options import (
+    add_cache_arguments,
+    add_model_arguments,
+    cache_from_args,
+    cache_summary,
+    model_dtype,
+    pick_device,
+    validate_cache_args,
+)
 from quantize import Int4Linear, Int8Linear
 from tokenizer import IncrementalText, Tokenizer
 import tp
@@ -38,13 +46,16 @@ import tp
 # Sampling
 # ---------------------------------------------------------------------------------------------
 
+
 def multinomial_sample_one_no_sync(probs: Tensor) -> Tensor:
     """Sample from probs without a device sync (the exponential-race trick gpt-fast uses)."""
     q = torch.empty_like(probs).exponential_(1)
     return torch.argmax(probs / q, dim=-1, keepdim=True).to(dtype=torch.long)
 
 
-def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None) -> Tensor:
+def logits_to_probs(
+    logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None
+) -> Tensor:
     logits = logits / max(temperature, 1e-5)
     if top_k is not None:
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
@@ -64,8 +75,16 @@ def sample(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None
 # Prefill and decode
 # ---------------------------------------------------------------------------------------------
 
-def prefill(model: Transformer, tokens: Tensor, lengths: Tensor, start: int = 0, chunk: Optional[int] = None,
-            forward: Optional[Callable] = None, **sampling) -> Tensor:
+
+def prefill(
+    model: Transformer,
+    tokens: Tensor,
+    lengths: Tensor,
+    start: int = 0,
+    chunk: Optional[int] = None,
+    forward: Optional[Callable] = None,
+    **sampling,
+) -> Tensor:
     """Run the right-padded prompts (B, S) through the model at positions start..start+S-1, on top
     of the `start` tokens each sequence's cache holds; the first new token of each (B, 1). Each
     layer's cache takes the prompt's K, V from there (`CausalPrompt` carries the lengths and where
@@ -84,10 +103,14 @@ def prefill(model: Transformer, tokens: Tensor, lengths: Tensor, start: int = 0,
     last = lengths - 1  # each prompt's last row, whose logits give its first new token
     logits = None
     for first in range(0, seqlen, chunk):
-        rows = tokens[:, first: first + chunk]
-        input_pos = torch.arange(start + first, start + first + rows.shape[1], device=tokens.device).expand(batch, -1)
+        rows = tokens[:, first : first + chunk]
+        input_pos = torch.arange(
+            start + first, start + first + rows.shape[1], device=tokens.device
+        ).expand(batch, -1)
         here = (last - first).clamp(0, rows.shape[1] - 1).unsqueeze(1)
-        out = forward(rows, input_pos, CausalPrompt(start + lengths, start + first), output_index=here)
+        out = forward(
+            rows, input_pos, CausalPrompt(start + lengths, start + first), output_index=here
+        )
         in_chunk = ((last >= first) & (last < first + rows.shape[1])).view(batch, 1, 1)
         logits = out if logits is None else torch.where(in_chunk, out, logits)
     return sample(logits, **sampling)
@@ -110,14 +133,16 @@ CPU_WHOLE_STEP_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": Tru
 
 
 def compile_decode(model: Transformer, fullgraph: bool = True, whole_step: bool = False) -> None:
-    """Compile the decode steps: the whole step as one graph, or each transformer block and the head.
+    """Compile the decode steps: the whole step as one graph, or each transformer block and the
+    head.
 
     `whole_step`: `model.forward` becomes one graph (on a GPU replayed as a CUDA graph, mode
     "reduce-overhead"), which removes the per-block dispatch and guard checks: on SmolLM2 at 1k on a
     2-core CPU, 14.4 against 17.7 ms per step with the full cache and 30.8 against 37.3 with
     SpeCache, for 0.5-3 minutes of compiling per cache kind and length instead of seconds
     (docs/RESULTS.md). It serves the caches whose step is one pass of the model (`whole_step` in
-    caches.py): the full cache, the eviction baselines, and SpeCache with its slow tier in a CPU's RAM.
+    caches.py): the full cache, the eviction baselines, and SpeCache with its slow tier in a CPU's
+    RAM.
 
     Per block: all blocks share one compiled graph (their weights are graph inputs), so compiling
     takes seconds, and the Python loop between blocks is where SpeCache hands fetches to and from
@@ -147,7 +172,9 @@ class GenerationResult:
     prefill_seconds: float
     decode_seconds: float
     decode_steps: int
-    decode_bytes: int  # bytes the decode steps had to read: weights + the KV cache up to each position
+    decode_bytes: (
+        int  # bytes the decode steps had to read: weights + the KV cache up to each position
+    )
     stats: dict = field(default_factory=dict)
 
     @property
@@ -156,11 +183,16 @@ class GenerationResult:
 
     @property
     def decode_gbps(self) -> float:
-        return self.decode_bytes / self.decode_seconds / 1e9 if self.decode_seconds > 0 else float("nan")
+        return (
+            self.decode_bytes / self.decode_seconds / 1e9
+            if self.decode_seconds > 0
+            else float("nan")
+        )
 
 
 def weight_bytes(model: Transformer) -> int:
-    """Bytes of weights a decode step reads (the embedding table only if it is the head's weight too;
+    """Bytes of weights a decode step reads (the embedding table only if it is the head's weight
+    too;
     quantized Linears count their codes, scales and zeros)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     total += sum(m.bytes_read() for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear)))
@@ -200,9 +232,17 @@ class GenerateOptions:
 
 
 @torch.no_grad()
-def generate(model: Transformer, cache, prompts: list[list[int]], max_new_tokens: int, *,
-             stop_ids: frozenset = frozenset(), callback: Callable[[Tensor], None] = lambda tokens: None,
-             options: GenerateOptions = GenerateOptions(), **sampling) -> GenerationResult:
+def generate(
+    model: Transformer,
+    cache,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    stop_ids: frozenset = frozenset(),
+    callback: Callable[[Tensor], None] = lambda tokens: None,
+    options: GenerateOptions = GenerateOptions(),
+    **sampling,
+) -> GenerationResult:
     """Generate up to `max_new_tokens` for each prompt (a ragged batch) with `cache` (caches.py:
     a cache set up for len(prompts) sequences; `make_cache` names them all), sampling with
     `sampling` (temperature, top_k: see `sample`; default greedy).
@@ -220,8 +260,10 @@ def generate(model: Transformer, cache, prompts: list[list[int]], max_new_tokens
     if (held or keep) and len(prompts) != 1:
         raise ValueError("a conversation goes on one sequence at a time (held, keep)")
     if (held or options.prefill_chunk) and not cache.chunks:
-        raise ValueError("this cache takes each prompt in one piece, from position 0: no chunked prefill and no "
-                         "continued conversation")
+        raise ValueError(
+            "this cache takes each prompt in one piece, from position 0: no chunked prefill and no "
+            "continued conversation"
+        )
     try:
         _sync(device)
         t0 = time.perf_counter()
@@ -231,8 +273,13 @@ def generate(model: Transformer, cache, prompts: list[list[int]], max_new_tokens
             cache.begin(tokens, lengths, held)
             chunked = dict(start=held, chunk=options.prefill_chunk, **sampling)
             if options.compile_prefill:
-                real = prefill(model, tokens, lengths, forward=torch.compile(model, fullgraph=True, dynamic=True),
-                               **chunked)
+                real = prefill(
+                    model,
+                    tokens,
+                    lengths,
+                    forward=torch.compile(model, fullgraph=True, dynamic=True),
+                    **chunked,
+                )
             else:
                 with torch.compiler.set_stance("force_eager"):
                     real = prefill(model, tokens, lengths, **chunked)
@@ -263,14 +310,23 @@ def generate(model: Transformer, cache, prompts: list[list[int]], max_new_tokens
             new_tokens.append(real)
             callback(real)
         _sync(device)
-        decode_seconds = time.perf_counter() - t0  # not the cache's finish: a disk tier removes its files there
-    except BaseException:  # Ctrl-C too: the cache still finishes (a disk tier's files go); the first error wins
+        # not the cache's finish: a disk tier removes its files there
+        decode_seconds = time.perf_counter() - t0
+    # Ctrl-C too: the cache still finishes (a disk tier's files go); the first error wins
+    except BaseException:
         with contextlib.suppress(Exception):
             cache.finish()
         raise
     cache.finish(keep)
-    return GenerationResult(cut_at_stop(torch.cat(new_tokens, dim=1).tolist(), stop_ids), lengths.tolist(),
-                            prefill_seconds, decode_seconds, steps, decode_bytes, cache.stats(steps))
+    return GenerationResult(
+        cut_at_stop(torch.cat(new_tokens, dim=1).tolist(), stop_ids),
+        lengths.tolist(),
+        prefill_seconds,
+        decode_seconds,
+        steps,
+        decode_bytes,
+        cache.stats(steps),
+    )
 
 
 def cut_at_stop(sequences: list[list[int]], stop_ids: frozenset) -> list[list[int]]:
@@ -284,6 +340,7 @@ def cut_at_stop(sequences: list[list[int]], stop_ids: frozenset) -> list[list[in
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
+
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt or [])
@@ -305,39 +362,87 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         if len(prompts) == 1:
             prompts = prompts * args.batch_size
         elif len(prompts) != args.batch_size:
-            raise UserError(f"--batch_size {args.batch_size} does not match the {len(prompts)} prompts given")
+            raise UserError(
+                f"--batch_size {args.batch_size} does not match the {len(prompts)} prompts given"
+            )
     return prompts
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_model_arguments(p)
-    p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch of different prompts")
-    p.add_argument("--prompt_file", action="append", help="read a prompt from a UTF-8 file; repeatable")
+    p.add_argument(
+        "--prompt", action="append", help="prompt text; repeat for a batch of different prompts"
+    )
+    p.add_argument(
+        "--prompt_file", action="append", help="read a prompt from a UTF-8 file; repeatable"
+    )
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat format")
-    p.add_argument("--system", default=None, help="system message for --chat (default: the model's own, if any)")
-    p.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate per sequence")
-    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy")
+    p.add_argument(
+        "--system",
+        default=None,
+        help="system message for --chat (default: the model's own, if any)",
+    )
+    p.add_argument(
+        "--max_new_tokens", type=int, default=200, help="tokens to generate per sequence"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy"
+    )
     p.add_argument("--top_k", type=int, default=200, help="sample among the k most likely tokens")
-    p.add_argument("--batch_size", type=int, default=None,
-                   help="sequences per batch: copies of a single prompt, or the number of prompts given")
-    p.add_argument("--num_samples", type=int, default=1, help="how many times to run the generation")
-    p.add_argument("--compile", action="store_true",
-                   help="compile the decode step (torch.compile): the whole step as one graph where the cache allows "
-                        "(minutes of compiling, the fastest steps), else each transformer block")
-    p.add_argument("--compile_per_block", action="store_true",
-                   help="with --compile: compile each transformer block instead of the whole step (seconds of "
-                        "compiling, slower steps)")
-    p.add_argument("--compile_prefill", action="store_true", help="compile prefill too (dynamic shapes)")
+    p.add_argument(
+        "--batch_size",
+        type=int,
+        default=None,
+        help="sequences per batch: copies of a single prompt, or the number of prompts given",
+    )
+    p.add_argument(
+        "--num_samples", type=int, default=1, help="how many times to run the generation"
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the decode step (torch.compile): the whole step as one graph where the cache "
+        "allows "
+        "(minutes of compiling, the fastest steps), else each transformer block",
+    )
+    p.add_argument(
+        "--compile_per_block",
+        action="store_true",
+        help="with --compile: compile each transformer block instead of the whole step (seconds of "
+        "compiling, slower steps)",
+    )
+    p.add_argument(
+        "--compile_prefill", action="store_true", help="compile prefill too (dynamic shapes)"
+    )
     p.add_argument("--seed", type=int, default=1234, help="random seed for sampling")
-    p.add_argument("--max_seq_length", type=int, default=None,
-                   help="cache length (default: longest prompt + max_new_tokens; with --compile rounded up to a "
-                        "multiple of 1024, so that similar prompts reuse the compiled step)")
-    p.add_argument("--json", action="store_true", help="print one JSON object with texts and metrics at the end")
-    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
-    p.add_argument("--tp_timeout", type=float, default=300, metavar="SECONDS",
-                   help="under torchrun (tensor parallel): a rank that waits this long for the others stops with an "
-                        "error (a dead peer is noticed at once on CPUs)")
+    p.add_argument(
+        "--max_seq_length",
+        type=int,
+        default=None,
+        help="cache length (default: longest prompt + max_new_tokens; with --compile rounded up to "
+        "a "
+        "multiple of 1024, so that similar prompts reuse the compiled step)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object with texts and metrics at the end",
+    )
+    p.add_argument(
+        "--debug", action="store_true", help="show tracebacks instead of one-line errors"
+    )
+    p.add_argument(
+        "--tp_timeout",
+        type=float,
+        default=300,
+        metavar="SECONDS",
+        help="under torchrun (tensor parallel): a rank that waits this long for the others stops "
+        "with an "
+        "error (a dead peer is noticed at once on CPUs)",
+    )
     add_cache_arguments(p)
     return p
 
@@ -371,7 +476,9 @@ class TextStream:
     """Prints the first sequence's text as it grows (byte-level tokens can split a character), up
     to its first stop token (that token too, unless `hide_stop`)."""
 
-    def __init__(self, tokenizer: Tokenizer, stop_ids: frozenset, out=None, hide_stop: bool = False):
+    def __init__(
+        self, tokenizer: Tokenizer, stop_ids: frozenset, out=None, hide_stop: bool = False
+    ):
         self.stop_ids, self.out, self.hide_stop = stop_ids, out or sys.stdout, hide_stop
         self.text, self.stopped = IncrementalText(tokenizer), False
 
@@ -394,8 +501,13 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def print_so_far(tokenizer: Tokenizer, prompts_text: list[str], so_far: list[list[list[int]]], streamed: bool,
-                 as_json: bool) -> None:
+def print_so_far(
+    tokenizer: Tokenizer,
+    prompts_text: list[str],
+    so_far: list[list[list[int]]],
+    streamed: bool,
+    as_json: bool,
+) -> None:
     """After Ctrl-C: what each sequence had generated (a streamed one is on the screen already)."""
     if streamed:
         print(flush=True)
@@ -403,8 +515,16 @@ def print_so_far(tokenizer: Tokenizer, prompts_text: list[str], so_far: list[lis
     new = [[step[b][0] for step in so_far] for b in range(len(prompts_text))]
     cut = cut_at_stop(new, frozenset(tokenizer.stop_ids))
     if as_json:
-        print(json.dumps({"texts": [tokenizer.decode(t) for t in cut], "new_tokens": [len(t) for t in cut],
-                          "interrupted": True}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "texts": [tokenizer.decode(t) for t in cut],
+                    "new_tokens": [len(t) for t in cut],
+                    "interrupted": True,
+                }
+            ),
+            flush=True,
+        )
     else:
         for text, tokens in zip(prompts_text, cut):
             print(text + tokenizer.decode(tokens), flush=True)
@@ -418,41 +538,64 @@ COMPILED_CAPACITY_STEP = 1024
 
 
 def cache_capacity(needed: int, compiled: bool, block_size: int) -> int:
-    """The cache's length for `needed` positions (the longest prompt and its new tokens). Compiled, it
+    """The cache's length for `needed` positions (the longest prompt and its new tokens). Compiled,
+    it
     is rounded up to a multiple of COMPILED_CAPACITY_STEP, though not past the model's context: each
     capacity is a graph of its own, so prompts of similar length then reuse inductor's cached graph
     (seconds) instead of compiling another (minutes with SpeCache's whole step)."""
     if not compiled:
         return needed
-    return max(needed, min(-(-needed // COMPILED_CAPACITY_STEP) * COMPILED_CAPACITY_STEP, block_size))
+    return max(
+        needed, min(-(-needed // COMPILED_CAPACITY_STEP) * COMPILED_CAPACITY_STEP, block_size)
+    )
 
 
-def prepare(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, say: Callable[..., None]
-            ) -> tuple[Transformer, Tokenizer, list[str], list[list[int]], int, object]:
-    """The model (this rank's shard under torchrun), its tokenizer, the prompts as text and as tokens,
+def prepare(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype, say: Callable[..., None]
+) -> tuple[Transformer, Tokenizer, list[str], list[list[int]], int, object]:
+    """The model (this rank's shard under torchrun), its tokenizer, the prompts as text and as
+    tokens,
     the new tokens to generate, and the cache set up for them."""
     prompts_text = read_prompts(args)
     checkpoint = resolve_checkpoint(args.checkpoint)
     t0 = time.perf_counter()
-    model = tp.load_model_shard(checkpoint, device, dtype) if tp.launched() else load_model(checkpoint, device, dtype)
+    model = (
+        tp.load_model_shard(checkpoint, device, dtype)
+        if tp.launched()
+        else load_model(checkpoint, device, dtype)
+    )
     tokenizer = load_tokenizer(checkpoint, model)
     shard = f", rank {tp.rank()} of {tp.world_size()}" if tp.launched() else ""
-    say(f"Loaded {checkpoint} ({model.config.name}, {dtype}{shard}) on {device} in {time.perf_counter() - t0:.1f} s")
+    say(
+        f"Loaded {checkpoint} ({model.config.name}, {dtype}{shard}) on {device} in "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
 
-    prompts = [tokenizer.encode_chat(p, args.system) if args.chat else tokenizer.encode(p) for p in prompts_text]
+    prompts = [
+        tokenizer.encode_chat(p, args.system) if args.chat else tokenizer.encode(p)
+        for p in prompts_text
+    ]
     longest = max(len(p) for p in prompts)
-    max_seq_length = args.max_seq_length or cache_capacity(longest + args.max_new_tokens, args.compile,
-                                                           model.config.block_size)
+    max_seq_length = args.max_seq_length or cache_capacity(
+        longest + args.max_new_tokens, args.compile, model.config.block_size
+    )
     if longest >= max_seq_length:
-        raise UserError(f"the prompt has {longest} tokens, which does not fit --max_seq_length {max_seq_length} "
-                        "(it needs room for at least one new token); raise --max_seq_length")
+        raise UserError(
+            f"the prompt has {longest} tokens, which does not fit --max_seq_length "
+            f"{max_seq_length} "
+            "(it needs room for at least one new token); raise --max_seq_length"
+        )
     max_new_tokens = min(args.max_new_tokens, max_seq_length - longest)
     if max_new_tokens < args.max_new_tokens:
-        say(f"Note: --max_seq_length {max_seq_length} leaves room for {max_new_tokens} new tokens; "
-            "generation stops there")
+        say(
+            f"Note: --max_seq_length {max_seq_length} leaves room for {max_new_tokens} new tokens; "
+            "generation stops there"
+        )
     if max_seq_length > model.config.block_size:
-        say(f"Warning: {max_seq_length} positions exceed the model's trained context of "
-            f"{model.config.block_size}; quality may drop past it")
+        say(
+            f"Warning: {max_seq_length} positions exceed the model's trained context of "
+            f"{model.config.block_size}; quality may drop past it"
+        )
     use_flex = args.compile and flex_attention_available(device) and args.cache == "full"
     cache = cache_from_args(args, model, len(prompts), max_seq_length, use_flex, say)
     return model, tokenizer, prompts_text, prompts, max_new_tokens, cache
@@ -466,12 +609,19 @@ def run(args: argparse.Namespace) -> None:
     main_rank = tp.rank() == 0  # the one that prints
     say = log if main_rank else (lambda *parts: None)
     model, tokenizer, prompts_text, prompts, max_new_tokens, cache = tp.agree(
-        lambda: prepare(args, device, dtype, say))
+        lambda: prepare(args, device, dtype, say)
+    )
     if args.cache != "full" and args.compile_prefill:
-        say(f"Note: --compile_prefill is ignored with --cache {args.cache} (its prefill picks what to keep in Python)")
+        say(
+            f"Note: --compile_prefill is ignored with --cache {args.cache} (its prefill picks what "
+            "to keep in Python)"
+        )
     if args.compile:  # a fetch waited inside a layer splits the graph
-        compile_decode(model, fullgraph=not cache.graph_breaks,
-                       whole_step=cache.whole_step and not args.compile_per_block)
+        compile_decode(
+            model,
+            fullgraph=not cache.graph_breaks,
+            whole_step=cache.whole_step and not args.compile_per_block,
+        )
     stream = len(prompts) == 1 and not args.json and main_rank
     runs = ([-1] if args.compile or args.compile_prefill else []) + list(range(args.num_samples))
     results = []
@@ -479,7 +629,9 @@ def run(args: argparse.Namespace) -> None:
     for i in runs:
         if i == -1:
             say("Compiling (warm-up run)...")
-        text_stream = TextStream(tokenizer, stop_ids) if stream and i >= 0 else (lambda tokens: None)
+        text_stream = (
+            TextStream(tokenizer, stop_ids) if stream and i >= 0 else (lambda tokens: None)
+        )
         if stream and i >= 0:
             print(prompts_text[0], end="", flush=True)
         so_far = []  # the new tokens (on the device: read back only after Ctrl-C), for Ctrl-C
@@ -490,65 +642,95 @@ def run(args: argparse.Namespace) -> None:
 
         t0 = time.perf_counter()
         try:
-            options = GenerateOptions(prefill_chunk=args.prefill_chunk,
-                                      compile_prefill=args.compile_prefill and args.cache == "full")
-            result = generate(model, cache, prompts, max_new_tokens, stop_ids=stop_ids, callback=callback,
-                              options=options, temperature=args.temperature, top_k=args.top_k)
+            options = GenerateOptions(
+                prefill_chunk=args.prefill_chunk,
+                compile_prefill=args.compile_prefill and args.cache == "full",
+            )
+            result = generate(
+                model,
+                cache,
+                prompts,
+                max_new_tokens,
+                stop_ids=stop_ids,
+                callback=callback,
+                options=options,
+                temperature=args.temperature,
+                top_k=args.top_k,
+            )
         except KeyboardInterrupt:
             if i >= 0 and main_rank:
-                print_so_far(tokenizer, prompts_text, [t.tolist() for t in so_far], streamed=stream, as_json=args.json)
+                print_so_far(
+                    tokenizer,
+                    prompts_text,
+                    [t.tolist() for t in so_far],
+                    streamed=stream,
+                    as_json=args.json,
+                )
             raise
         if i == -1:
             say(f"Compilation and warm-up took {time.perf_counter() - t0:.1f} s")
             continue
         # under torchrun: what all ranks read and hold together (tp.combine_stats)
-        result = replace(result, decode_bytes=tp.sum_over_ranks(result.decode_bytes),
-                         stats=tp.combine_stats(result.stats))
+        result = replace(
+            result,
+            decode_bytes=tp.sum_over_ranks(result.decode_bytes),
+            stats=tp.combine_stats(result.stats),
+        )
         results.append(result)
         if stream:
             print(flush=True)
         elif not args.json and main_rank:
             for text, toks in zip(prompts_text, result.tokens):
                 print(text + tokenizer.decode(toks), flush=True)
-        say(f"Prefill: {sum(result.prompt_lengths)} tokens in {result.prefill_seconds:.2f} s | "
+        say(
+            f"Prefill: {sum(result.prompt_lengths)} tokens in {result.prefill_seconds:.2f} s | "
             f"Decode: {result.decode_steps} steps in {result.decode_seconds:.2f} s, "
             f"{result.decode_tokens_per_second:.1f} tok/s (x{len(prompts)} sequences), "
-            f"{result.decode_gbps:.1f} GB/s")
+            f"{result.decode_gbps:.1f} GB/s"
+        )
         if result.stats.get("cache") != "full":
             say(cache_summary(result.stats))
     peak = tp.max_over_ranks(peak_memory_bytes(device))
     say(f"Peak memory: {peak / 1e9:.2f} GB" + (" (the largest rank's)" if tp.launched() else ""))
     if args.json and main_rank:
         last = results[-1]
-        print(json.dumps({
-            "texts": [tokenizer.decode(t) for t in last.tokens],
-            "prompt_tokens": last.prompt_lengths,
-            "new_tokens": [len(t) for t in last.tokens],
-            "prefill_seconds": last.prefill_seconds,
-            "decode_tokens_per_second": last.decode_tokens_per_second,
-            "decode_gbps": last.decode_gbps,
-            "peak_memory_bytes": peak,
-            "device": str(device),
-            "dtype": str(dtype).removeprefix("torch."),
-            "compiled": args.compile,
-            "world_size": tp.world_size(),
-            "cache": args.cache,
-            **last.stats,
-        }))
+        print(
+            json.dumps(
+                {
+                    "texts": [tokenizer.decode(t) for t in last.tokens],
+                    "prompt_tokens": last.prompt_lengths,
+                    "new_tokens": [len(t) for t in last.tokens],
+                    "prefill_seconds": last.prefill_seconds,
+                    "decode_tokens_per_second": last.decode_tokens_per_second,
+                    "decode_gbps": last.decode_gbps,
+                    "peak_memory_bytes": peak,
+                    "device": str(device),
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "compiled": args.compile,
+                    "world_size": tp.world_size(),
+                    "cache": args.cache,
+                    **last.stats,
+                }
+            )
+        )
 
 
 def exit_on_signal(signum: int, frame) -> None:
-    """SIGTERM and SIGHUP end the run as an exception would, so that cleanup (a disk tier's files) runs."""
+    """SIGTERM and SIGHUP end the run as an exception would, so that cleanup (a disk tier's files)
+    runs."""
     raise SystemExit(128 + signum)
 
 
 def run_command(run: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> int:
-    """A command line's exit code for `run(args)` (generate.py, chat.py): SIGTERM and SIGHUP end it as
+    """A command line's exit code for `run(args)` (generate.py, chat.py): SIGTERM and SIGHUP end it
+    as
     an exception would (a disk tier's files go); a UserError or SlowTierError is one `error:` line
     (exit 2; with --debug, the traceback); Ctrl-C that reaches here is exit 130.
 
-    Under torchrun, rank 0 alone reports the errors that every rank meets while setting up (tp.agree);
-    after that, a rank reports its own, and any other exception (a peer that died or stopped answering)
+    Under torchrun, rank 0 alone reports the errors that every rank meets while setting up
+    (tp.agree);
+    after that, a rank reports its own, and any other exception (a peer that died or stopped
+    answering)
     is one `error:` line naming the rank, exit 1."""
     for name in ("SIGTERM", "SIGHUP"):  # SIGHUP: a closed terminal (not on Windows)
         if hasattr(signal, name):
@@ -568,7 +750,10 @@ def run_command(run: Callable[[argparse.Namespace], None], args: argparse.Namesp
     except Exception as e:
         if args.debug or not tp.launched():
             raise
-        print(f"error: {which}{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}", file=sys.stderr)
+        print(
+            f"error: {which}{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}",
+            file=sys.stderr,
+        )
         return 1
     finally:  # a process group left to the interpreter's exit can abort it ("terminate called ...")
         tp.leave()

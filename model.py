@@ -24,6 +24,7 @@ Conventions
   forward stores k, v and returns the attention output. `KVCache` below is the full cache;
   `specache.py`'s layers plug in through the same call (caches.py plugs every cache).
 """
+
 import math
 from typing import Optional, Union
 
@@ -68,9 +69,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
     (a cache turns None into the boolean mask of its rows' positions).
     """
     gqa = q.shape[1] != k.shape[1]
-    if isinstance(mask, CausalPrompt):  # from position 0 (rows on top of a history get a boolean mask)
+    # from position 0 (rows on top of a history get a boolean mask)
+    if isinstance(mask, CausalPrompt):
         seqlen = q.shape[2]
-        return F.scaled_dot_product_attention(q, k[:, :, :seqlen], v[:, :, :seqlen], is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, k[:, :, :seqlen], v[:, :, :seqlen], is_causal=True, enable_gqa=gqa
+        )
     if isinstance(mask, Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
@@ -94,8 +98,15 @@ def sliding_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Te
         q_pos = torch.arange(start, end, device=q.device)[:, None]
         kv_pos = torch.arange(first, end, device=q.device)[None, :]
         visible = (kv_pos <= q_pos) & (kv_pos > q_pos - window)
-        out.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, first:end], v[:, :, first:end],
-                                                  attn_mask=visible, enable_gqa=gqa))
+        out.append(
+            F.scaled_dot_product_attention(
+                q[:, :, start:end],
+                k[:, :, first:end],
+                v[:, :, first:end],
+                attn_mask=visible,
+                enable_gqa=gqa,
+            )
+        )
     return torch.cat(out, dim=2)
 
 
@@ -107,14 +118,26 @@ def prompt_attention(q: Tensor, k: Tensor, v: Tensor, window: Optional[int]) -> 
 
 
 class KVCache(nn.Module):
-    """The full cache: every position's K and V, preallocated, in the model's dtype or in 16 bits."""
+    """The full cache: every position's K and V, preallocated, in the model's dtype or in 16
+    bits."""
 
-    def __init__(self, max_batch_size: int, max_seq_length: int, n_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: Union[str, torch.device, None] = None):
+    def __init__(
+        self,
+        max_batch_size: int,
+        max_seq_length: int,
+        n_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: Union[str, torch.device, None] = None,
+    ):
         super().__init__()
         shape = (max_batch_size, n_heads, max_seq_length, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer(
+            "k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False
+        )
+        self.register_buffer(
+            "v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False
+        )
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v (B, Hkv, S, D) at per-sequence positions input_pos (B, S)."""
@@ -151,21 +174,36 @@ class RingKVCache(nn.Module):
     sequence, however long the context.
     """
 
-    def __init__(self, max_batch_size: int, window: int, n_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: Union[str, torch.device, None] = None):
+    def __init__(
+        self,
+        max_batch_size: int,
+        window: int,
+        n_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: Union[str, torch.device, None] = None,
+    ):
         super().__init__()
         self.window = window
         shape = (max_batch_size, n_heads, window, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("slot_pos", torch.full((max_batch_size, window), -1, dtype=torch.long, device=device),
-                             persistent=False)
+        self.register_buffer(
+            "k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False
+        )
+        self.register_buffer(
+            "v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False
+        )
+        self.register_buffer(
+            "slot_pos",
+            torch.full((max_batch_size, window), -1, dtype=torch.long, device=device),
+            persistent=False,
+        )
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
         """Attention of new rows q, k, v (B, *, S, D) at positions input_pos (B, S) over the ring
         and each other, without writing anything."""
         batch, ring_pos = q.shape[0], self.slot_pos[: q.shape[0]]
-        ring_pos = torch.where(ring_pos < input_pos[:, :1], ring_pos, -1)  # not the rows' own positions
+        # not the rows' own positions
+        ring_pos = torch.where(ring_pos < input_pos[:, :1], ring_pos, -1)
         kv_pos = torch.cat([ring_pos, input_pos], dim=1)[:, None, :]  # (B, 1, W + S)
         q_pos = input_pos[:, :, None]
         visible = (kv_pos >= 0) & (kv_pos <= q_pos) & (kv_pos > q_pos - self.window)
@@ -176,35 +214,56 @@ class RingKVCache(nn.Module):
     def write(self, k: Tensor, v: Tensor, input_pos: Tensor) -> None:
         """Keep rows k, v (B, Hkv, S, D) at consecutive positions input_pos (B, S); of more than
         `window` rows only the newest `window` can ever be seen again."""
-        k, v, input_pos = k[:, :, -self.window:], v[:, :, -self.window:], input_pos[:, -self.window:]
+        k, v, input_pos = (
+            k[:, :, -self.window :],
+            v[:, :, -self.window :],
+            input_pos[:, -self.window :],
+        )
         batch = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
         self._store(batch, input_pos % self.window, k.transpose(1, 2), v.transpose(1, 2), input_pos)
 
     def _store(self, batch: Tensor, slots: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> None:
-        """Rows k, v (B, N, Hkv, D) into `slots` (B, N) of sequences `batch` (B, 1), holding `positions`."""
+        """Rows k, v (B, N, Hkv, D) into `slots` (B, N) of sequences `batch` (B, 1), holding
+        `positions`."""
         self.k_cache[batch, :, slots] = k.to(self.k_cache.dtype)
         self.v_cache[batch, :, slots] = v.to(self.v_cache.dtype)
         self.slot_pos[batch, slots] = positions
 
-    def ingest_prompt(self, k: Tensor, v: Tensor, lengths: Optional[Tensor] = None, start: int = 0) -> None:
-        """Keep, of prompt rows k, v (B, Hkv, S, D) at positions [start, start + S), those among each
+    def ingest_prompt(
+        self, k: Tensor, v: Tensor, lengths: Optional[Tensor] = None, start: int = 0
+    ) -> None:
+        """Keep, of prompt rows k, v (B, Hkv, S, D) at positions [start, start + S), those among
+        each
         prompt's newest `window` positions, the prompts ending at `lengths` (B,) (default: all S
         rows are real). Rows past a prompt's end (right padding) are not kept."""
         batch, seqlen = k.shape[0], k.shape[2]
         ends = torch.full((batch,), start + seqlen, device=k.device)
         if lengths is not None:
             ends = torch.minimum(ends, lengths.to(k.device))
-        positions = ends[:, None] - self.window + torch.arange(self.window, device=k.device)  # (B, window)
-        index = (positions - start).clamp(0, seqlen - 1)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        new_k, new_v = k.gather(2, index).transpose(1, 2), v.gather(2, index).transpose(1, 2)  # (B, window, Hkv, D)
+        # (B, window)
+        positions = ends[:, None] - self.window + torch.arange(self.window, device=k.device)
+        index = (
+            (positions - start)
+            .clamp(0, seqlen - 1)[:, None, :, None]
+            .expand(-1, k.shape[1], -1, k.shape[3])
+        )
+        # (B, window, Hkv, D)
+        new_k, new_v = (
+            k.gather(2, index).transpose(1, 2),
+            v.gather(2, index).transpose(1, 2),
+        )
         # From position 0 every slot is written: the window positions before a short prompt's start
         # are negative, and the mask never shows them. Past it, positions before `start` keep what
         # the ring holds (the earlier chunks').
         batch_index, slots = torch.arange(batch, device=k.device)[:, None], positions % self.window
         if start > 0:
             from_rows = positions >= start
-            new_k = torch.where(from_rows[..., None, None], new_k, self.k_cache[batch_index, :, slots])
-            new_v = torch.where(from_rows[..., None, None], new_v, self.v_cache[batch_index, :, slots])
+            new_k = torch.where(
+                from_rows[..., None, None], new_k, self.k_cache[batch_index, :, slots]
+            )
+            new_v = torch.where(
+                from_rows[..., None, None], new_v, self.v_cache[batch_index, :, slots]
+            )
             positions = torch.where(from_rows, positions, self.slot_pos[batch_index, slots])
         self._store(batch_index, slots, new_k, new_v, positions)
 
@@ -213,8 +272,13 @@ class RingKVCache(nn.Module):
         return sum(t.numel() * t.element_size() for t in self.buffers())
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask: Mask) -> Tensor:
-        if isinstance(mask, CausalPrompt):  # from position 0 the ring holds nothing yet: only the rows count
-            y = sliding_window_attention(q, k, v, self.window) if mask.start == 0 else self.attend(q, k, v, input_pos)
+        # from position 0 the ring holds nothing yet: only the rows count
+        if isinstance(mask, CausalPrompt):
+            y = (
+                sliding_window_attention(q, k, v, self.window)
+                if mask.start == 0
+                else self.attend(q, k, v, input_pos)
+            )
             self.ingest_prompt(k, v, mask.lengths, mask.start)
             return y
         y = self.attend(q, k, v, input_pos)
@@ -256,7 +320,9 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self._register_load_state_dict_pre_hook(self._tie_on_load)
         self.freqs_cis: Optional[Tensor] = None
-        self.freqs_cis_local: Optional[Tensor] = None  # the sliding-window layers', where their base differs
+        self.freqs_cis_local: Optional[Tensor] = (
+            None  # the sliding-window layers', where their base differs
+        )
         self.max_batch_size = -1
         self.max_seq_length = -1
 
@@ -264,33 +330,48 @@ class Transformer(nn.Module):
         if self.config.tie_embeddings and prefix + "output.weight" not in state_dict:
             state_dict[prefix + "output.weight"] = state_dict[prefix + "tok_embeddings.weight"]
 
-    def setup_caches(self, max_batch_size: int, max_seq_length: int, kv_dtype: Optional[torch.dtype] = None,
-                     kv_cache: type = None) -> None:
-        """Allocate every layer's KV cache (in `kv_dtype`, default the model's) and the RoPE tables for
+    def setup_caches(
+        self,
+        max_batch_size: int,
+        max_seq_length: int,
+        kv_dtype: Optional[torch.dtype] = None,
+        kv_cache: type = None,
+    ) -> None:
+        """Allocate every layer's KV cache (in `kv_dtype`, default the model's) and the RoPE tables
+        for
         `max_seq_length` positions: as long as that for full-attention layers (`kv_cache`, default
         KVCache), a ring of the window for sliding-window ones.
 
         The length is rounded up to FlexAttention's block size.
         """
-        device, dtype = self.tok_embeddings.weight.device, kv_dtype or self.tok_embeddings.weight.dtype
+        device, dtype = (
+            self.tok_embeddings.weight.device,
+            kv_dtype or self.tok_embeddings.weight.dtype,
+        )
         max_seq_length = find_multiple(max_seq_length, FLEX_BLOCK_SIZE)
         self.max_seq_length = max_seq_length
         self.max_batch_size = max_batch_size
         c = self.config
         for b in self.layers:
             if b.attention.window is None:
-                b.attention.kv_cache = (kv_cache or KVCache)(max_batch_size, max_seq_length, c.n_local_heads,
-                                                             c.head_dim, dtype, device)
+                b.attention.kv_cache = (kv_cache or KVCache)(
+                    max_batch_size, max_seq_length, c.n_local_heads, c.head_dim, dtype, device
+                )
             else:
-                b.attention.kv_cache = RingKVCache(max_batch_size, b.attention.window, c.n_local_heads, c.head_dim,
-                                                   dtype, device)
+                b.attention.kv_cache = RingKVCache(
+                    max_batch_size, b.attention.window, c.n_local_heads, c.head_dim, dtype, device
+                )
         self.setup_rope(max_seq_length)
 
     def setup_rope(self, max_seq_length: int) -> None:
         c, device = self.config, self.tok_embeddings.weight.device
-        self.freqs_cis = precompute_freqs_cis(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling).to(device)
+        self.freqs_cis = precompute_freqs_cis(
+            max_seq_length, c.head_dim, c.rope_base, c.rope_scaling
+        ).to(device)
         if c.rope_local_base is not None:
-            self.freqs_cis_local = precompute_freqs_cis(max_seq_length, c.head_dim, c.rope_local_base).to(device)
+            self.freqs_cis_local = precompute_freqs_cis(
+                max_seq_length, c.head_dim, c.rope_local_base
+            ).to(device)
 
     def rope(self, input_pos: Tensor) -> list[Tensor]:
         """Each layer's RoPE angles at positions input_pos (B, S)."""
@@ -301,11 +382,16 @@ class Transformer(nn.Module):
     def embed(self, idx: Tensor) -> Tensor:
         x = self.tok_embeddings(idx)
         if self.config.scale_embeddings:  # in the embeddings' dtype, as Gemma's own code rounds it
-            x = x * torch.tensor(self.config.dim ** 0.5, dtype=x.dtype)
+            x = x * torch.tensor(self.config.dim**0.5, dtype=x.dtype)
         return x
 
-    def forward(self, idx: Tensor, input_pos: Tensor, mask: Optional[Mask] = None,
-                output_index: Optional[Tensor] = None) -> Tensor:
+    def forward(
+        self,
+        idx: Tensor,
+        input_pos: Tensor,
+        mask: Optional[Mask] = None,
+        output_index: Optional[Tensor] = None,
+    ) -> Tensor:
         """Logits for tokens `idx` (B, S) at positions `input_pos` (B, S), with the attention mask
         `mask` (see `attention`; None: each row sees the positions up to its own, as decode steps
         do; prompts pass a CausalPrompt).
@@ -344,7 +430,9 @@ class TransformerBlock(nn.Module):
             self.post_attention_norm = self.post_ffn_norm = nn.Identity()
 
     def forward(self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor, mask: Mask) -> Tensor:
-        h = x + self.post_attention_norm(self.attention(self.attention_norm(x), freqs_cis, mask, input_pos))
+        h = x + self.post_attention_norm(
+            self.attention(self.attention_norm(x), freqs_cis, mask, input_pos)
+        )
         return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
 
 
@@ -415,7 +503,9 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5, weight_in_fp32: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight_in_fp32 = weight_in_fp32  # Gemma: (x * w) cast back; Llama: x cast back, then * w
+        self.weight_in_fp32 = (
+            weight_in_fp32  # Gemma: (x * w) cast back; Llama: x cast back, then * w
+        )
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -440,12 +530,21 @@ def apply_rope_scaling(freqs: Tensor, rope_scaling: dict) -> Tensor:
     wavelen = 2 * math.pi / freqs
     smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     mid = (1 - smooth) * freqs / factor + smooth * freqs
-    return torch.where(wavelen < high_freq_wavelen, freqs, torch.where(wavelen > low_freq_wavelen, freqs / factor, mid))
+    return torch.where(
+        wavelen < high_freq_wavelen,
+        freqs,
+        torch.where(wavelen > low_freq_wavelen, freqs / factor, mid),
+    )
 
 
-def precompute_freqs_cis(seq_len: int, n_elem: int, base: float = 10000, rope_scaling: Optional[dict] = None) -> Tensor:
-    """(seq_len, n_elem/2, 2) table of cos, sin in fp32 (low-precision angles hurt long contexts)."""
-    freqs = 1.0 / (base ** (torch.arange(0, n_elem, 2, dtype=torch.float64)[: n_elem // 2] / n_elem))
+def precompute_freqs_cis(
+    seq_len: int, n_elem: int, base: float = 10000, rope_scaling: Optional[dict] = None
+) -> Tensor:
+    """(seq_len, n_elem/2, 2) table of cos, sin in fp32 (low-precision angles hurt long
+    contexts)."""
+    freqs = 1.0 / (
+        base ** (torch.arange(0, n_elem, 2, dtype=torch.float64)[: n_elem // 2] / n_elem)
+    )
     if rope_scaling is not None:
         freqs = apply_rope_scaling(freqs, rope_scaling)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), freqs)

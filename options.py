@@ -1,6 +1,8 @@
-"""The command-line options that generate.py and serve.py share: the model, the device, and the KV cache
+"""The command-line options that generate.py and serve.py share: the model, the device, and the KV
+cache
 (which one, SpeCache's settings, the slow tier, the eviction budgets), with their checks, the cache
 they make, and the one-line summary of its statistics."""
+
 import argparse
 import os
 from pathlib import Path
@@ -18,11 +20,22 @@ EVICTION_CACHES = ("streaming", "h2o")
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """--checkpoint, --device and --dtype."""
-    p.add_argument("--checkpoint", type=Path, default=None,
-                   help="model.pth, or the directory holding it (default: SmolLM2-135M-Instruct, prepared offline)")
-    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="model dtype; auto = bfloat16 on CUDA, float32 on CPU (measured faster there)")
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="model.pth, or the directory holding it (default: SmolLM2-135M-Instruct, prepared "
+        "offline)",
+    )
+    p.add_argument(
+        "--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="model dtype; auto = bfloat16 on CUDA, float32 on CPU (measured faster there)",
+    )
 
 
 def model_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -46,59 +59,123 @@ def pick_device(name: str) -> torch.device:
     except RuntimeError as e:
         raise UserError(f"unknown --device {name!r}: use auto, cpu or cuda[:N]") from e
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for, but this torch sees no CUDA GPU; use --device cpu")
+        raise UserError(
+            "--device cuda was asked for, but this torch sees no CUDA GPU; use --device cpu"
+        )
     if device.type not in ("cpu", "cuda"):
         raise UserError(f"--device {name!r} is not supported: use auto, cpu or cuda[:N]")
     return device
 
 
 def add_cache_arguments(p: argparse.ArgumentParser) -> None:
-    """The KV-cache options (--cache, --specache, --specache_*, --slow_tier*, the eviction budgets)."""
+    """The KV-cache options (--cache, --specache, --specache_*, --slow_tier*, the eviction
+    budgets)."""
     g = p.add_argument_group("KV cache", "see specache.py and the README's SpeCache section")
-    g.add_argument("--cache", default=None,
-                   help="full (16-bit cache, default), specache, specache-nospec (fetch synchronously, no "
-                        "speculative token), kivi (the low-bit copy alone, nothing fetched), or the eviction "
-                        "baselines streaming (StreamingLLM: sinks + newest) and h2o (heavy hitters + newest)")
+    g.add_argument(
+        "--cache",
+        default=None,
+        help="full (16-bit cache, default), specache, specache-nospec (fetch synchronously, no "
+        "speculative token), kivi (the low-bit copy alone, nothing fetched), or the eviction "
+        "baselines streaming (StreamingLLM: sinks + newest) and h2o (heavy hitters + newest)",
+    )
     g.add_argument("--specache", action="store_true", help="same as --cache specache")
-    g.add_argument("--full_16bit", action="store_true",
-                   help="--cache full: keep K and V in 16 bits (float16 beside a float32 model, as SpeCache's exact "
-                        "pairs), half the bytes a step reads (default: the model's dtype)")
-    g.add_argument("--specache_bits", type=int, default=1, help="bits of the low-bit KV copy: 1 or 2 (default 1)")
-    g.add_argument("--specache_group", type=int, default=64,
-                   help="g: tokens per key group, channels per value group (default 64)")
-    g.add_argument("--specache_residual", type=int, default=64,
-                   help="R: newest tokens kept 16-bit, a multiple of g (default 64)")
-    g.add_argument("--specache_topk", type=int, default=64,
-                   help="k: 16-bit pairs fetched per layer and KV head each step (default 64)")
-    g.add_argument("--specache_select", default="default", metavar="SELECTION",
-                   help="how the k pairs are chosen: 'paper' (the paper's rule: the speculative row's top-k, mean "
-                        "over query heads), 'default' (ours: " + Selection().name() + "), or a comma-separated list of "
-                        "changes to the paper's rule: split[=share] (that share of k chosen by the real row within "
-                        "the step, default 0.5), gqa-max, correct[=cosine] (re-choose a head's k when its query "
-                        "moved, default 0.9), sinks[=n] (first n positions exact, default 4), lloyd (1-bit levels "
-                        "at the group's half means), lookup (prompt-lookup speculative token), reuse (count only "
-                        "pairs not held already), oracle (diagnostics: exact top-k from the slow tier); see "
-                        "specache.py and docs/RESULTS.md")
-    g.add_argument("--specache_stats", action="store_true",
-                   help="also measure, per layer and KV head, recall of the fetched pairs against the real token's "
-                        "own low-bit and exact top-k, and the share of its exact attention read in 16 bits "
-                        "(extra scoring passes per layer)")
-    g.add_argument("--slow_tier", choices=("ram", "disk"), default="ram",
-                   help="SpeCache on a CPU: where the complete 16-bit cache lives. ram (default), or disk: a file "
-                        "per layer, read in the background by the speculative prefetch, for contexts whose 16-bit "
-                        "cache outgrows RAM (beside a GPU it is always host RAM)")
-    g.add_argument("--slow_tier_dir", default=None, metavar="DIR",
-                   help="--slow_tier disk: the directory its files go in, in a fresh folder per generation (chat.py: "
-                        "per conversation) that is removed after it (default: the system's temp directory)")
-    g.add_argument("--budget_tokens", type=int, default=None,
-                   help="streaming/h2o: tokens kept per layer and KV head (default: as many as fit in the fast-tier "
-                        "bytes SpeCache would use with the --specache_* settings at this length; see eviction.py)")
-    g.add_argument("--sink_tokens", type=int, default=4, help="streaming: attention-sink tokens kept (default 4)")
-    g.add_argument("--prefill_chunk", type=int, default=None, metavar="N",
-                   help="prefill at most N positions per pass, each on top of the ones before (default: the whole "
-                        "prompt in one pass): only one chunk's activations, and with SpeCache one chunk's 16-bit K "
-                        "and V, are in memory at a time; SpeCache's chunks read the history's exact pairs from the "
-                        "slow tier (KIVI: its low-bit copy); not for streaming/h2o")
+    g.add_argument(
+        "--full_16bit",
+        action="store_true",
+        help="--cache full: keep K and V in 16 bits (float16 beside a float32 model, as SpeCache's "
+        "exact "
+        "pairs), half the bytes a step reads (default: the model's dtype)",
+    )
+    g.add_argument(
+        "--specache_bits",
+        type=int,
+        default=1,
+        help="bits of the low-bit KV copy: 1 or 2 (default 1)",
+    )
+    g.add_argument(
+        "--specache_group",
+        type=int,
+        default=64,
+        help="g: tokens per key group, channels per value group (default 64)",
+    )
+    g.add_argument(
+        "--specache_residual",
+        type=int,
+        default=64,
+        help="R: newest tokens kept 16-bit, a multiple of g (default 64)",
+    )
+    g.add_argument(
+        "--specache_topk",
+        type=int,
+        default=64,
+        help="k: 16-bit pairs fetched per layer and KV head each step (default 64)",
+    )
+    g.add_argument(
+        "--specache_select",
+        default="default",
+        metavar="SELECTION",
+        help="how the k pairs are chosen: 'paper' (the paper's rule: the speculative row's top-k, "
+        "mean "
+        "over query heads), 'default' (ours: "
+        + Selection().name()
+        + "), or a comma-separated list of "
+        "changes to the paper's rule: split[=share] (that share of k chosen by the real row within "
+        "the step, default 0.5), gqa-max, correct[=cosine] (re-choose a head's k when its query "
+        "moved, default 0.9), sinks[=n] (first n positions exact, default 4), lloyd (1-bit levels "
+        "at the group's half means), lookup (prompt-lookup speculative token), reuse (count only "
+        "pairs not held already), oracle (diagnostics: exact top-k from the slow tier); see "
+        "specache.py and docs/RESULTS.md",
+    )
+    g.add_argument(
+        "--specache_stats",
+        action="store_true",
+        help="also measure, per layer and KV head, recall of the fetched pairs against the real "
+        "token's "
+        "own low-bit and exact top-k, and the share of its exact attention read in 16 bits "
+        "(extra scoring passes per layer)",
+    )
+    g.add_argument(
+        "--slow_tier",
+        choices=("ram", "disk"),
+        default="ram",
+        help="SpeCache on a CPU: where the complete 16-bit cache lives. ram (default), or disk: a "
+        "file "
+        "per layer, read in the background by the speculative prefetch, for contexts whose 16-bit "
+        "cache outgrows RAM (beside a GPU it is always host RAM)",
+    )
+    g.add_argument(
+        "--slow_tier_dir",
+        default=None,
+        metavar="DIR",
+        help="--slow_tier disk: the directory its files go in, in a fresh folder per generation "
+        "(chat.py: "
+        "per conversation) that is removed after it (default: the system's temp directory)",
+    )
+    g.add_argument(
+        "--budget_tokens",
+        type=int,
+        default=None,
+        help="streaming/h2o: tokens kept per layer and KV head (default: as many as fit in the "
+        "fast-tier "
+        "bytes SpeCache would use with the --specache_* settings at this length; see eviction.py)",
+    )
+    g.add_argument(
+        "--sink_tokens",
+        type=int,
+        default=4,
+        help="streaming: attention-sink tokens kept (default 4)",
+    )
+    g.add_argument(
+        "--prefill_chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prefill at most N positions per pass, each on top of the ones before (default: the "
+        "whole "
+        "prompt in one pass): only one chunk's activations, and with SpeCache one chunk's 16-bit K "
+        "and V, are in memory at a time; SpeCache's chunks read the history's exact pairs from the "
+        "slow tier (KIVI: its low-bit copy); not for streaming/h2o",
+    )
 
 
 def validate_cache_args(args: argparse.Namespace) -> None:
@@ -110,12 +187,19 @@ def validate_cache_args(args: argparse.Namespace) -> None:
     args.cache = args.cache or "full"
     if args.cache not in KINDS:
         raise UserError(f"unknown --cache {args.cache!r}: use one of {', '.join(KINDS)}")
-    if (args.slow_tier != "ram" or args.slow_tier_dir) and args.cache not in ("specache", "specache-nospec"):
-        raise UserError(f"--slow_tier and --slow_tier_dir apply to SpeCache, not --cache {args.cache}")
+    if (args.slow_tier != "ram" or args.slow_tier_dir) and args.cache not in (
+        "specache",
+        "specache-nospec",
+    ):
+        raise UserError(
+            f"--slow_tier and --slow_tier_dir apply to SpeCache, not --cache {args.cache}"
+        )
     if args.slow_tier_dir and args.slow_tier != "disk":
         raise UserError("--slow_tier_dir needs --slow_tier disk")
     if args.slow_tier_dir and not os.path.isdir(args.slow_tier_dir):
-        raise UserError(f"the slow tier's directory {args.slow_tier_dir} does not exist (--slow_tier_dir)")
+        raise UserError(
+            f"the slow tier's directory {args.slow_tier_dir} does not exist (--slow_tier_dir)"
+        )
     if args.full_16bit and args.cache != "full":
         raise UserError(f"--full_16bit applies to --cache full, not {args.cache}")
     if args.budget_tokens is not None and args.cache not in EVICTION_CACHES:
@@ -123,59 +207,104 @@ def validate_cache_args(args: argparse.Namespace) -> None:
     if args.prefill_chunk is not None and args.prefill_chunk <= 0:
         raise UserError(f"--prefill_chunk must be at least 1 (got {args.prefill_chunk})")
     if args.prefill_chunk is not None and args.cache in EVICTION_CACHES:
-        raise UserError(f"--prefill_chunk does not apply to --cache {args.cache}: it chooses what to keep over the "
-                        "whole prompt at once")
+        raise UserError(
+            f"--prefill_chunk does not apply to --cache {args.cache}: it chooses what to keep over "
+            "the "
+            "whole prompt at once"
+        )
 
 
-def cache_from_args(args: argparse.Namespace, model: Transformer, batch_size: int, capacity: int,
-                    use_flex: bool = False, log: Callable[[str], None] = lambda line: None):
+def cache_from_args(
+    args: argparse.Namespace,
+    model: Transformer,
+    batch_size: int,
+    capacity: int,
+    use_flex: bool = False,
+    log: Callable[[str], None] = lambda line: None,
+):
     """The cache the (validated) options name, set up in `model` for `batch_size` sequences of
-    `capacity` positions; `log` gets the notes a user should see (a clamped k, the disk tier's size)."""
+    `capacity` positions; `log` gets the notes a user should see (a clamped k, the disk tier's
+    size)."""
     try:
         method = "full-16bit" if args.full_16bit else args.cache
-        cache = make_cache(method, model, batch_size, capacity, bits=args.specache_bits,
-                           select=args.specache_select, topk=args.specache_topk, group=args.specache_group,
-                           residual=args.specache_residual, stats=args.specache_stats, budget_tokens=args.budget_tokens,
-                           budget_bits=args.specache_bits, sink_tokens=args.sink_tokens, use_flex=use_flex,
-                           slow_tier=args.slow_tier, slow_tier_dir=args.slow_tier_dir)
+        cache = make_cache(
+            method,
+            model,
+            batch_size,
+            capacity,
+            bits=args.specache_bits,
+            select=args.specache_select,
+            topk=args.specache_topk,
+            group=args.specache_group,
+            residual=args.specache_residual,
+            stats=args.specache_stats,
+            budget_tokens=args.budget_tokens,
+            budget_bits=args.specache_bits,
+            sink_tokens=args.sink_tokens,
+            use_flex=use_flex,
+            slow_tier=args.slow_tier,
+            slow_tier_dir=args.slow_tier_dir,
+        )
     except ValueError as e:
         raise UserError(str(e)) from e
     if args.cache in ("specache", "specache-nospec"):
         k = cache.layers[0].k_spec + cache.layers[0].k_real
         if k < args.specache_topk:
-            log(f"Note: --specache_topk {args.specache_topk} clamped to {k}: at this capacity SpeCache has room for "
-                f"{k} exact pairs per layer and KV head beside its window (its fast tier never exceeds a 16-bit "
-                "cache, and it fetches only positions it quantized)")
+            log(
+                f"Note: --specache_topk {args.specache_topk} clamped to {k}: at this capacity "
+                "SpeCache has room for "
+                f"{k} exact pairs per layer and KV head beside its window (its fast tier never "
+                "exceeds a 16-bit "
+                "cache, and it fetches only positions it quantized)"
+            )
     if args.slow_tier == "disk":
-        log(f"Slow tier on disk: {cache.folder.nbytes() / 1e9:.2f} GB of files at this capacity, in a fresh folder "
-            f"under {cache.folder.parent} that goes when each generation (chat.py: each conversation) ends")
+        log(
+            f"Slow tier on disk: {cache.folder.nbytes() / 1e9:.2f} GB of files at this capacity, "
+            "in a fresh folder "
+            f"under {cache.folder.parent} that goes when each generation (chat.py: each "
+            "conversation) ends"
+        )
     return cache
 
 
 def cache_summary(stats: dict) -> str:
     if stats["cache"] in EVICTION_CACHES:
-        return (f"{stats['cache']}: {stats['budget_tokens']} tokens kept per layer and KV head, fast tier "
-                f"{stats['fast_tier_bytes'] / 1e6:.1f} MB ({stats['fast_tier_ratio_to_16bit_cache']:.3f}x a 16-bit "
-                "cache); evicted tokens are gone")
-    line = (f"{stats['cache']} {stats['bits']}-bit: fast tier {stats['fast_tier_bytes'] / 1e6:.1f} MB "
-            f"({stats['fast_tier_ratio_to_16bit_cache']:.3f}x a 16-bit cache), slow tier "
-            f"{stats['slow_tier_bytes'] / 1e6:.1f} MB{' on disk' if 'slow_tier' in stats else ''}, "
-            f"{stats['bytes_fetched_per_token'] / 1e3:.0f} kB fetched per token")
+        return (
+            f"{stats['cache']}: {stats['budget_tokens']} tokens kept per layer and KV head, fast "
+            "tier "
+            f"{stats['fast_tier_bytes'] / 1e6:.1f} MB "
+            f"({stats['fast_tier_ratio_to_16bit_cache']:.3f}x a 16-bit "
+            "cache); evicted tokens are gone"
+        )
+    line = (
+        f"{stats['cache']} {stats['bits']}-bit: fast tier {stats['fast_tier_bytes'] / 1e6:.1f} MB "
+        f"({stats['fast_tier_ratio_to_16bit_cache']:.3f}x a 16-bit cache), slow tier "
+        f"{stats['slow_tier_bytes'] / 1e6:.1f} MB{' on disk' if 'slow_tier' in stats else ''}, "
+        f"{stats['bytes_fetched_per_token'] / 1e3:.0f} kB fetched per token"
+    )
     if "slow_tier_bytes_read_per_step" in stats:
         line += f" ({stats['slow_tier_bytes_read_per_step'] / 1e3:.0f} kB read from disk per step)"
     if "sliding_window_layers" in stats:
-        line += (f"; {stats['full_attention_layers']} full-attention layers "
-                 f"{stats['fast_tier_ratio_full_attention_layers']:.3f}x their 16-bit cache, "
-                 f"{stats['sliding_window_layers']} sliding-window layers keep their 16-bit rings "
-                 f"({stats['fast_tier_bytes_sliding_window_layers'] / 1e6:.1f} MB)")
+        line += (
+            f"; {stats['full_attention_layers']} full-attention layers "
+            f"{stats['fast_tier_ratio_full_attention_layers']:.3f}x their 16-bit cache, "
+            f"{stats['sliding_window_layers']} sliding-window layers keep their 16-bit rings "
+            f"({stats['fast_tier_bytes_sliding_window_layers'] / 1e6:.1f} MB)"
+        )
     line += f"; selection: {stats['select']}"
     if stats.get("speculative_match_rate") is not None:
         line += f", speculative token right {100 * stats['speculative_match_rate']:.0f}% of steps"
     if stats.get("prefetch_discarded_share") is not None:
-        line += f", prefetch discarded on {100 * stats['prefetch_discarded_share']:.0f}% of KV heads"
+        line += (
+            f", prefetch discarded on {100 * stats['prefetch_discarded_share']:.0f}% of KV heads"
+        )
     if "diagnostics" in stats:
         d = stats["diagnostics"]
-        line += (f"; the real token's exact attention read in 16 bits: {100 * d['coverage']:.1f}% (the exact top-"
-                 f"{stats['topk']}: {100 * d['oracle_coverage']:.1f}%), recall of its own low-bit top-k "
-                 f"{100 * d['recall_own_lowbit']:.0f}%, of its exact top-k {100 * d['recall_exact']:.0f}%")
+        line += (
+            f"; the real token's exact attention read in 16 bits: {100 * d['coverage']:.1f}% (the "
+            "exact top-"
+            f"{stats['topk']}: {100 * d['oracle_coverage']:.1f}%), recall of its own low-bit top-k "
+            f"{100 * d['recall_own_lowbit']:.0f}%, of its exact top-k "
+            f"{100 * d['recall_exact']:.0f}%"
+        )
     return line

@@ -1,9 +1,13 @@
-"""Weight-only quantization of a checkpoint: int8 per channel, or int4 per group (gpt-fast's quantize.py).
+"""Weight-only quantization of a checkpoint: int8 per channel, or int4 per group (gpt-fast's
+quantize.py).
 
-    python scripts/quantize_checkpoint.py --mode int8        # the default model -> model_int8.pth beside it
-    python scripts/quantize_checkpoint.py --checkpoint checkpoints/<org>/<model>/model.pth --mode int4 --groupsize 32
+    python scripts/quantize_checkpoint.py --mode int8        # the default model -> \
+        model_int8.pth beside it
+    python scripts/quantize_checkpoint.py --checkpoint checkpoints/<org>/<model>/model.pth --mode \
+        int4 --groupsize 32
                                                              # -> model_int4.g32.pth
-    python generate.py --checkpoint checkpoints/<org>/<model>/model_int4.g32.pth --specache --prompt "..."
+    python generate.py --checkpoint checkpoints/<org>/<model>/model_int4.g32.pth --specache \
+        --prompt "..."
 
 Every Linear of the transformer blocks and the output head is quantized; the token embedding stays
 in its dtype (a lookup reads one row per token, so it costs no bandwidth). A head tied to the
@@ -24,6 +28,7 @@ then multiply. Without that kernel, compiled code fuses the unpacking, scaling a
 multiply-reduce of `model.linear`, and eager code uses torch's kernels. `dequantize_int8` and
 `dequantize_int4` are the plain references the tests hold the modules to.
 """
+
 import re
 from pathlib import Path
 from typing import Optional
@@ -53,12 +58,15 @@ def dequantize_int8(codes: Tensor, scales: Tensor) -> Tensor:
 
 def check_groupsize(in_features: int, groupsize: int) -> None:
     if in_features % groupsize or groupsize % 2:
-        raise ValueError(f"int4 needs an even group size that divides every Linear's input width; "
-                         f"{in_features} is not a multiple of {groupsize}")
+        raise ValueError(
+            f"int4 needs an even group size that divides every Linear's input width; "
+            f"{in_features} is not a multiple of {groupsize}"
+        )
 
 
 def quantize_int4(weight: Tensor, groupsize: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(out, in) float, in a multiple of groupsize -> packed codes (out, in/2) uint8, fp32 scales and
+    """(out, in) float, in a multiple of groupsize -> packed codes (out, in/2) uint8, fp32 scales
+    and
     zeros (out, in/groupsize)."""
     out_features, in_features = weight.shape
     check_groupsize(in_features, groupsize)
@@ -73,12 +81,19 @@ def dequantize_int4(packed: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
     out_features, groups = scales.shape
     in_features = packed.shape[1] * 2
     codes = unpack_bits(packed, 4, in_features).view(out_features, groups, in_features // groups)
-    return (codes.float() * scales.float()[..., None] + zeros.float()[..., None]).view(out_features, in_features)
+    return (codes.float() * scales.float()[..., None] + zeros.float()[..., None]).view(
+        out_features, in_features
+    )
 
 
 def few_rows_on_cpu(x: Tensor) -> bool:
-    """Whether kernels/linear_cpu.c takes x: a CPU tensor of a few rows (decode), the kernel built."""
-    return x.device.type == "cpu" and x.shape[:-1].numel() <= linear_cpu.MAX_ROWS and linear_cpu.available()
+    """Whether kernels/linear_cpu.c takes x: a CPU tensor of a few rows (decode), the kernel
+    built."""
+    return (
+        x.device.type == "cpu"
+        and x.shape[:-1].numel() <= linear_cpu.MAX_ROWS
+        and linear_cpu.available()
+    )
 
 
 class Int8Linear(nn.Module):
@@ -92,7 +107,9 @@ class Int8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer(
+            "weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device)
+        )
         self.register_buffer("scales", torch.ones(out_features, device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
 
@@ -103,16 +120,20 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         rows = x.shape[:-1].numel()
         if few_rows_on_cpu(x):
-            y = linear_cpu.quantized_linear(x.reshape(rows, -1).float(), self.weight, self.scales.float())
+            y = linear_cpu.quantized_linear(
+                x.reshape(rows, -1).float(), self.weight, self.scales.float()
+            )
             return self.add_bias(y.to(x.dtype).reshape(*x.shape[:-1], self.out_features))
         eager_cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
         if eager_cpu and rows <= 8:  # decode
             flat = x.reshape(-1, self.in_features)
             y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales.to(x.dtype))
             y = y.reshape(*x.shape[:-1], self.out_features)
-        elif eager_cpu:  # prefill, where _weight_int8pack_mm is slow: dequantize once, then multiply
+        # prefill, where _weight_int8pack_mm is slow: dequantize once, then multiply
+        elif eager_cpu:
             y = F.linear(x, dequantize_int8(self.weight, self.scales).to(x.dtype))
-        else:  # the per-channel scale commutes with the sum over the input, so it applies to the output
+        # the per-channel scale commutes with the sum over the input, so it applies to the output
+        else:
             y = linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
         return self.add_bias(y)
 
@@ -127,17 +148,22 @@ class Int4Linear(nn.Module):
     the kernel, more (prefill) dequantize and multiply. Otherwise `pack()` (load_model calls it on
     the model's device) builds torch's packed int4 layout for `_weight_int4pack_mm_for_cpu` on a CPU
     or `_weight_int4pack_mm` on a GPU, which take bf16 activations and scales:
-    w = (q - 8) * scale + (zero + 8 * scale); packing drops the stored layout, so that the weights are
+    w = (q - 8) * scale + (zero + 8 * scale); packing drops the stored layout, so that the weights
+    are
     not held twice. Unpacked and without the kernel, the module dequantizes and multiplies (the
     reference path).
     """
 
-    def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False, device=None):
+    def __init__(
+        self, in_features: int, out_features: int, groupsize: int, bias: bool = False, device=None
+    ):
         super().__init__()
         check_groupsize(in_features, groupsize)
         self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
         groups = in_features // groupsize
-        self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer(
+            "weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device)
+        )
         self.register_buffer("scales", torch.ones(out_features, groups, device=device))
         self.register_buffer("zeros", torch.zeros(out_features, groups, device=device))
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
@@ -157,37 +183,54 @@ class Int4Linear(nn.Module):
         kernels/linear_cpu.c, the stored layout stays, its scales and zeros in float32 as the kernel
         takes them."""
         if self.weight.device.type == "cpu" and linear_cpu.available():
-            self.scales, self.zeros = self.scales.float().contiguous(), self.zeros.float().contiguous()
+            self.scales, self.zeros = (
+                self.scales.float().contiguous(),
+                self.zeros.float().contiguous(),
+            )
             return
         if not self.packable():
             return
         codes = unpack_bits(self.weight, 4, self.in_features).to(torch.int32)
-        if self.weight.device.type == "cuda":  # gpt-fast's layout: two codes a byte, the even one high
+        # gpt-fast's layout: two codes a byte, the even one high
+        if self.weight.device.type == "cuda":
             self.packed = torch.ops.aten._convert_weight_to_int4pack(
-                (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), 8)
+                (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), 8
+            )
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8)
         scales = self.scales.float()
-        self.scales_and_zeros = torch.stack([scales.t(), (self.zeros.float() + 8 * scales).t()], -1) \
-            .contiguous().to(torch.bfloat16)
+        self.scales_and_zeros = (
+            torch.stack([scales.t(), (self.zeros.float() + 8 * scales).t()], -1)
+            .contiguous()
+            .to(torch.bfloat16)
+        )
         self.weight = self.scales = self.zeros = None
 
     def bytes_read(self) -> int:
         """What one forward pass reads of the weights."""
-        tensors = (self.weight, self.scales, self.zeros) if self.packed is None else (self.packed,
-                                                                                      self.scales_and_zeros)
+        tensors = (
+            (self.weight, self.scales, self.zeros)
+            if self.packed is None
+            else (self.packed, self.scales_and_zeros)
+        )
         return sum(t.nbytes for t in tensors + (self.bias,) if t is not None)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.packed is None and few_rows_on_cpu(x):
-            y = linear_cpu.quantized_linear(x.reshape(-1, self.in_features).float(), self.weight, self.scales.float(),
-                                            self.zeros.float(), self.groupsize)
+            y = linear_cpu.quantized_linear(
+                x.reshape(-1, self.in_features).float(),
+                self.weight,
+                self.scales.float(),
+                self.zeros.float(),
+                self.groupsize,
+            )
             y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         elif self.packed is None:
             y = linear(x, dequantize_int4(self.weight, self.scales, self.zeros).to(x.dtype))
         else:
-            flat = torch.ops.specache.int4_matmul(x.reshape(-1, self.in_features), self.packed, self.groupsize,
-                                                  self.scales_and_zeros)
+            flat = torch.ops.specache.int4_matmul(
+                x.reshape(-1, self.in_features), self.packed, self.groupsize, self.scales_and_zeros
+            )
             y = flat.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
@@ -197,7 +240,11 @@ def int4_matmul(x: Tensor, packed: Tensor, groupsize: int, scales_and_zeros: Ten
     """x (M, K) @ the packed int4 weight (N, K).T -> (M, N) in x's dtype, through bf16 as torch's
     kernels want. One opaque op under torch.compile: inductor would otherwise fuse the cast to bf16
     into the CPU FlexAttention template before it, which it cannot build."""
-    matmul = torch.ops.aten._weight_int4pack_mm if x.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
+    matmul = (
+        torch.ops.aten._weight_int4pack_mm
+        if x.is_cuda
+        else torch.ops.aten._weight_int4pack_mm_for_cpu
+    )
     return matmul(x.to(torch.bfloat16), packed, groupsize, scales_and_zeros).to(x.dtype)
 
 
@@ -224,8 +271,12 @@ def quantized_linears(model: Transformer) -> list[tuple[str, nn.Module, str, Lin
     return found
 
 
-def replace_linears(model: Transformer, mode: str, groupsize: Optional[int] = None,
-                    state_dict: Optional[dict] = None) -> None:
+def replace_linears(
+    model: Transformer,
+    mode: str,
+    groupsize: Optional[int] = None,
+    state_dict: Optional[dict] = None,
+) -> None:
     """Swap every Linear for its quantized form; quantize its weight into `state_dict` when given
     (else the new modules are empty, for loading a quantized file)."""
     for key, parent, name, layer in quantized_linears(model):
@@ -234,20 +285,28 @@ def replace_linears(model: Transformer, mode: str, groupsize: Optional[int] = No
         if mode == "int8":
             new = Int8Linear(layer.in_features, layer.out_features, has_bias, device=device)
         else:
-            new = Int4Linear(layer.in_features, layer.out_features, groupsize, has_bias, device=device)
+            new = Int4Linear(
+                layer.in_features, layer.out_features, groupsize, has_bias, device=device
+            )
         if state_dict is not None:
             if mode == "int8":
-                state_dict[f"{key}.weight"], state_dict[f"{key}.scales"] = quantize_int8(layer.weight.detach())
+                state_dict[f"{key}.weight"], state_dict[f"{key}.scales"] = quantize_int8(
+                    layer.weight.detach()
+                )
             else:
-                (state_dict[f"{key}.weight"], state_dict[f"{key}.scales"],
-                 state_dict[f"{key}.zeros"]) = quantize_int4(layer.weight.detach(), groupsize)
+                (
+                    state_dict[f"{key}.weight"],
+                    state_dict[f"{key}.scales"],
+                    state_dict[f"{key}.zeros"],
+                ) = quantize_int4(layer.weight.detach(), groupsize)
             if has_bias:
                 state_dict[f"{key}.bias"] = layer.bias.detach().float()
         setattr(parent, name, new)
 
 
 def quantized_state_dict(model: Transformer, mode: str, groupsize: Optional[int] = None) -> dict:
-    """The checkpoint of `model` quantized (the model itself is modified: its Linears are replaced)."""
+    """The checkpoint of `model` quantized (the model itself is modified: its Linears are
+    replaced)."""
     state_dict = {"tok_embeddings.weight": model.tok_embeddings.weight.detach()}
     for name, tensor in model.state_dict().items():
         if "norm" in name:

@@ -42,13 +42,15 @@ Variants: `speculative=False` is the paper's non-speculative baseline (each step
 real row's own low-bit top-k, fetched and waited for); `topk=0` is KIVI alone (the low-bit copy and
 the window, nothing fetched).
 
-The file, top to bottom: the configuration; the low-bit copy (quantizer and bit packing); the
-choice of pairs (its rules, the speculative token); the ops a step runs, each defined here in plain
-PyTorch as a torch.library op that faster kernels may register for their device (this repository's
-kernels/ does, for CPUs and GPUs; the results are the same either way); prefill over a history;
-the slow tier (a protocol, and the RAM and pinned-host tiers); one layer's cache; the two-row step
-and the bootstrap that drive a generation.
+The file, top to bottom: the configuration; what plugs in from outside (a slow tier, and
+diagnostics: two protocols); the low-bit copy (quantizer and bit packing); the choice of pairs (its
+rules, the speculative token); the ops a step runs, each defined here in plain PyTorch as a
+torch.library op that faster kernels may register for their device (this repository's kernels/
+does, for CPUs and GPUs; the results are the same either way); prefill over a history; the RAM and
+pinned-host slow tiers; one layer's cache; the two-row step and the bootstrap that drive a
+generation, with how a host plugs SpeCache in.
 """
+
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
@@ -92,7 +94,7 @@ class Selection:
 
     @classmethod
     def parse(cls, select: str) -> "Selection":
-        """"paper", "default" (ours), or a comma-separated list of changes to the paper's rule,
+        """ "paper", "default" (ours), or a comma-separated list of changes to the paper's rule,
         named as in VARIANTS ("split=0.25" or "sinks=8" set a value)."""
         chosen = PAPER
         for item in filter(None, (part.strip() for part in select.split(","))):
@@ -103,16 +105,19 @@ class Selection:
                 chosen = cls() if name == "default" else chosen
                 continue
             if name not in VARIANTS:
-                raise ValueError(f"unknown --specache_select entry {name!r}: use paper, default or "
-                                 f"some of {', '.join(VARIANTS)}")
+                raise ValueError(
+                    f"unknown --specache_select entry {name!r}: use paper, default or "
+                    f"some of {', '.join(VARIANTS)}"
+                )
             field, default, parser = VARIANTS[name]
             if value and parser is None:
                 raise ValueError(f"--specache_select: {name} takes no value")
             try:
                 chosen = replace(chosen, **{field: parser(value) if value else default})
             except ValueError:
-                raise ValueError(f"--specache_select: {name}={value} is not a valid "
-                                 f"{parser.__name__}") from None
+                raise ValueError(
+                    f"--specache_select: {name}={value} is not a valid {parser.__name__}"
+                ) from None
         return chosen
 
     def name(self) -> str:
@@ -125,8 +130,15 @@ class Selection:
         return ",".join(names) or "paper"
 
 
-PAPER = Selection(real_share=0.0, gqa="mean", correct_below=None, sinks=0, levels="minmax",
-                  guess="greedy", reuse=False)
+PAPER = Selection(
+    real_share=0.0,
+    gqa="mean",
+    correct_below=None,
+    sinks=0,
+    levels="minmax",
+    guess="greedy",
+    reuse=False,
+)
 # name: (field, its value when the name comes without "=value", the value's type; None: no value)
 VARIANTS = {
     "split": ("real_share", 0.5, float),
@@ -166,29 +178,137 @@ class SpeCacheConfig:
         m, s = self.method, self.selection
         checks = [
             (m.bits in (1, 2), f"SpeCache bits must be 1 or 2, got {m.bits}"),
-            (m.group >= 1 and m.residual >= 1,
-             f"SpeCache group and residual must be positive, got {m.group} and {m.residual}"),
-            (m.residual % max(m.group, 1) == 0,
-             f"the residual window ({m.residual}) must be a multiple of the group size "
-             f"({m.group}), so that groups of tokens leave the window whole"),
+            (
+                m.group >= 1 and m.residual >= 1,
+                f"SpeCache group and residual must be positive, got {m.group} and {m.residual}",
+            ),
+            (
+                m.residual % max(m.group, 1) == 0,
+                f"the residual window ({m.residual}) must be a multiple of the group size "
+                f"({m.group}), so that groups of tokens leave the window whole",
+            ),
             (m.topk >= 0, f"SpeCache top-k must be >= 0, got {m.topk}"),
-            (0 <= s.real_share <= 1,
-             f"split: the real row's share of k must be in [0, 1], got {s.real_share}"),
-            (s.gqa in ("mean", "max") and s.levels in LEVELS and s.guess in GUESSES,
-             f"unknown selection setting: gqa={s.gqa!r}, levels={s.levels!r}, "
-             f"guess={s.guess!r}"),
-            (s.correct_below is None or -1 <= s.correct_below <= 1,
-             f"correct: the threshold is a cosine in [-1, 1], got {s.correct_below}"),
+            (
+                0 <= s.real_share <= 1,
+                f"split: the real row's share of k must be in [0, 1], got {s.real_share}",
+            ),
+            (
+                s.gqa in ("mean", "max") and s.levels in LEVELS and s.guess in GUESSES,
+                f"unknown selection setting: gqa={s.gqa!r}, levels={s.levels!r}, guess={s.guess!r}",
+            ),
+            (
+                s.correct_below is None or -1 <= s.correct_below <= 1,
+                f"correct: the threshold is a cosine in [-1, 1], got {s.correct_below}",
+            ),
             (s.sinks >= 0, f"sinks must be >= 0, got {s.sinks}"),
-            (head_dim * m.bits % 8 == 0,
-             f"SpeCache packs each token's {m.bits}-bit codes into whole bytes, so head_dim x "
-             f"bits must be a multiple of 8; this model's head_dim is {head_dim}"),
-            (m.group < 1 or head_dim % value_group(m.group, head_dim) == 0,
-             f"head_dim {head_dim} is not a multiple of the value group size {m.group}"),
+            (
+                head_dim * m.bits % 8 == 0,
+                f"SpeCache packs each token's {m.bits}-bit codes into whole bytes, so head_dim x "
+                f"bits must be a multiple of 8; this model's head_dim is {head_dim}",
+            ),
+            (
+                m.group < 1 or head_dim % value_group(m.group, head_dim) == 0,
+                f"head_dim {head_dim} is not a multiple of the value group size {m.group}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+
+# --- what plugs in from outside: a slow tier, and diagnostics -------------------------------
+# A layer's slow tier is any object with SlowTier's methods, made from a TierSpec (Placement's
+# slow_tier; by default host RAM, pinned beside a GPU: see "the slow tier" below). Diagnostics
+# are a Probe, which the method calls only when one is given.
+
+
+class PrefetchSlots(NamedTuple):
+    """Where a layer's prefetch lands: its slot buffers (B, Hkv, slots, ...) and the slots."""
+
+    k: Tensor
+    v: Tensor
+    pos: Tensor
+    valid: Tensor
+    where: slice
+
+
+class Kappa(NamedTuple):
+    """The positions a prefetch fetches (B, Hkv, k_spec), and which of them are real."""
+
+    pos: Tensor
+    valid: Tensor
+
+
+class TierSpec(NamedTuple):
+    """What a layer's slow tier is made from."""
+
+    shape: tuple[int, int, int, int]  # (B, Hkv, T, D): every position of every sequence
+    dtype: torch.dtype  # the pairs'
+    device: torch.device  # the fast tier's
+    slots: Optional[PrefetchSlots]  # None: the layer prefetches nothing
+    reuse: bool  # a read need not read again what the previous read of its kind held
+    overlap: bool  # Placement.overlap_fetch
+    state: "SpeCacheState"  # where each sequence's next real row goes (next_position)
+
+
+class SlowTier(Protocol):
+    """One layer's complete 16-bit K and V, and the moves of its pairs into the fast tier. A layer
+    calls, over a generation: reset; write (the prompt, in one piece or in chunks); read_range (a
+    chunk's history); then per pass before_step, read (the real row's picks), after_step."""
+
+    def reset(self) -> None:
+        """A generation begins: nothing held, nothing in flight."""
+
+    def write(self, b: int, start: int, k: Tensor, v: Tensor) -> None:
+        """Sequence b's pairs k, v (Hkv, N, D) at positions [start, start + N)."""
+
+    def read_range(self, first: int, last: int) -> tuple[Tensor, Tensor]:
+        """Every sequence's pairs at [first, last), (B, Hkv, N, D) each, on the fast tier's
+        device."""
+
+    def read(self, positions: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        """Inside the step, now: the pairs (B, Hkv, K, D) at positions (B, Hkv, K) (those not
+        valid may hold anything finite)."""
+
+    def before_step(self) -> None:
+        """The prefetch started after this layer's previous pass lands in its slots."""
+
+    def after_step(
+        self, new_k: Optional[Tensor], new_v: Optional[Tensor], kappa: Optional[Kappa]
+    ) -> None:
+        """The real rows' pairs (B, Hkv, D) join the tier at TierSpec.state.next_position (None:
+        nothing kept), and the prefetch of kappa into the slots starts (None: no prefetch)."""
+
+    def keys(self) -> Tensor:
+        """Every key (B, Hkv, T, D) on the fast tier's device (diagnostics: it reads them all)."""
+
+    def nbytes(self) -> int:
+        """Bytes held."""
+
+
+class Probe(Protocol):
+    """Diagnostics plugged in from outside (this repository's specache_stats.py); the method
+    never needs one. `oracle`: the real row's picks come from `oracle_picks` instead of its
+    low-bit weights."""
+
+    oracle: bool
+
+    def reset(self) -> None:
+        """A generation begins."""
+
+    def oracle_picks(
+        self,
+        layer: "SpeCacheLayer",
+        rows: Tensor,
+        part: "LowBitPart",
+        merged: "Merged",
+        seg: "Segments",
+        s: int,
+    ) -> tuple[Tensor, Tensor]:
+        """The real row's `layer.picks` positions (B, Hkv, picks), and which are real."""
+
+    def observe(self, layer: "SpeCacheLayer", rows: Tensor, seg: "Segments", s: int) -> None:
+        """A decode step's pass through `layer`, before the prefetch rewrites its slots."""
 
 
 # --- the low-bit copy ------------------------------------------------------------------------
@@ -233,8 +353,9 @@ def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
     return codes.flatten(-2)[..., :n]
 
 
-def quantize_groups(x: Tensor, bits: int, dim: int, scale_dtype: torch.dtype,
-                    levels: str = "minmax") -> tuple[Tensor, Tensor, Tensor]:
+def quantize_groups(
+    x: Tensor, bits: int, dim: int, scale_dtype: torch.dtype, levels: str = "minmax"
+) -> tuple[Tensor, Tensor, Tensor]:
     """Codes shaped like x (uint8), and a scale and zero per slice along `dim` (kept as size 1)."""
     xf = x.float()
     lo, hi = xf.amin(dim, keepdim=True), xf.amax(dim, keepdim=True)
@@ -263,8 +384,9 @@ def value_group(group: int, head_dim: int) -> int:
     return min(group, head_dim)
 
 
-def quantize_keys(k: Tensor, bits: int, group: int, scale_dtype: torch.dtype,
-                  levels: str = "minmax") -> tuple[Tensor, Tensor, Tensor]:
+def quantize_keys(
+    k: Tensor, bits: int, group: int, scale_dtype: torch.dtype, levels: str = "minmax"
+) -> tuple[Tensor, Tensor, Tensor]:
     """Keys (..., T, D), T a multiple of `group`: packed codes (..., T, D*bits/8), scale and zero
     (..., T/group, D)."""
     *lead, t, d = k.shape
@@ -273,8 +395,9 @@ def quantize_keys(k: Tensor, bits: int, group: int, scale_dtype: torch.dtype,
     return pack_bits(codes.reshape(*lead, t, d), bits), scale.squeeze(-2), zero.squeeze(-2)
 
 
-def quantize_values(v: Tensor, bits: int, group: int, scale_dtype: torch.dtype,
-                    levels: str = "minmax") -> tuple[Tensor, Tensor, Tensor]:
+def quantize_values(
+    v: Tensor, bits: int, group: int, scale_dtype: torch.dtype, levels: str = "minmax"
+) -> tuple[Tensor, Tensor, Tensor]:
     """Values (..., T, D): packed codes (..., T, D*bits/8), scale and zero (..., T, D/group_v)."""
     *lead, t, d = v.shape
     gv = value_group(group, d)
@@ -292,8 +415,7 @@ def dequantize_keys(packed: Tensor, scale: Tensor, zero: Tensor, bits: int, grou
     return (codes * scale.float().unsqueeze(-2) + zero.float().unsqueeze(-2)).flatten(-3, -2)
 
 
-def dequantize_values(packed: Tensor, scale: Tensor, zero: Tensor, bits: int, group: int
-                      ) -> Tensor:
+def dequantize_values(packed: Tensor, scale: Tensor, zero: Tensor, bits: int, group: int) -> Tensor:
     """fp32 values (..., T, D) from quantize_values' output."""
     n_groups = scale.shape[-1]
     head_dim = packed.shape[-1] * 8 // bits
@@ -318,10 +440,20 @@ class LowBitKV(NamedTuple):
         """fp32 keys and values (B, Hkv, last - first, D) of positions [first, last), whole
         groups."""
         groups = slice(first // self.group, last // self.group)
-        k = dequantize_keys(self.k_packed[:, :, first:last], self.k_scale[:, :, groups],
-                            self.k_zero[:, :, groups], self.bits, self.group)
-        v = dequantize_values(self.v_packed[:, :, first:last], self.v_scale[:, :, first:last],
-                              self.v_zero[:, :, first:last], self.bits, self.group)
+        k = dequantize_keys(
+            self.k_packed[:, :, first:last],
+            self.k_scale[:, :, groups],
+            self.k_zero[:, :, groups],
+            self.bits,
+            self.group,
+        )
+        v = dequantize_values(
+            self.v_packed[:, :, first:last],
+            self.v_scale[:, :, first:last],
+            self.v_zero[:, :, first:last],
+            self.bits,
+            self.group,
+        )
         return k, v
 
 
@@ -341,8 +473,9 @@ def greedy_guess(logits: Tensor, history: Tensor, lengths: Tensor) -> Tensor:
     return logits.argmax(-1, keepdim=True)
 
 
-def prompt_lookup_guess(logits: Tensor, history: Tensor, lengths: Tensor, max_ngram: int = 3
-                        ) -> Tensor:
+def prompt_lookup_guess(
+    logits: Tensor, history: Tensor, lengths: Tensor, max_ngram: int = 3
+) -> Tensor:
     """lookup (ours): the token that followed the latest earlier occurrence of the last n tokens of
     each sequence's history (B, L; its first lengths[b] real), for n = max_ngram down to 1; where
     none occurs, the greedy choice (transformers' prompt_lookup_num_tokens drafts the same way).
@@ -376,8 +509,13 @@ GUESSES = {"greedy": greedy_guess, "lookup": prompt_lookup_guess}
 SLOT_BOOKKEEPING_BYTES = 2 * (8 + 1)
 
 
-def fast_tier_plan(config: SpeCacheConfig, capacity: int, head_dim: int, pair_dtype: torch.dtype,
-                   query_heads_per_kv: int) -> tuple[int, int]:
+def fast_tier_plan(
+    config: SpeCacheConfig,
+    capacity: int,
+    head_dim: int,
+    pair_dtype: torch.dtype,
+    query_heads_per_kv: int,
+) -> tuple[int, int]:
     """(R, the most exact slots) such that a layer's fast tier never holds more than a cache of
     `capacity` pairs in `pair_dtype` (the 16-bit cache it replaces). Per KV head and sequence: the
     low-bit copy of the positions that can be quantized, the window, then per slot its pair and
@@ -459,9 +597,19 @@ def positions_mask(positions: Tensor, valid: Tensor, t: int) -> Tensor:
 
 
 def lowbit_partial_attention_reference(
-        rows: Tensor, k_packed: Tensor, k_scale: Tensor, k_zero: Tensor, v_packed: Tensor,
-        v_scale: Tensor, v_zero: Tensor, bits: int, group: int, visible_len: Tensor,
-        excluded_pos: Tensor, excluded_valid: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    rows: Tensor,
+    k_packed: Tensor,
+    k_scale: Tensor,
+    k_zero: Tensor,
+    v_packed: Tensor,
+    v_scale: Tensor,
+    v_zero: Tensor,
+    bits: int,
+    group: int,
+    visible_len: Tensor,
+    excluded_pos: Tensor,
+    excluded_valid: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The low-bit segment: the softmax pieces of rows (B, Hkv, M, D, fp32, already scaled by
     D**-0.5) over the copy's positions [0, visible_len[b]) but the valid excluded ones (B, Hkv, E):
 
@@ -483,9 +631,19 @@ def lowbit_partial_attention_reference(
 
 
 def merge_segments_reference(
-        rows: Tensor, row_max: Tensor, row_sum: Tensor, lowbit_out: Tensor, fetched_k: Tensor,
-        fetched_v: Tensor, fetched_valid: Tensor, window_k: Tensor, window_v: Tensor,
-        window_len: Tensor, new_k: Tensor, new_v: Tensor) -> tuple[Tensor, ...]:
+    rows: Tensor,
+    row_max: Tensor,
+    row_sum: Tensor,
+    lowbit_out: Tensor,
+    fetched_k: Tensor,
+    fetched_v: Tensor,
+    fetched_valid: Tensor,
+    window_k: Tensor,
+    window_v: Tensor,
+    window_len: Tensor,
+    new_k: Tensor,
+    new_v: Tensor,
+) -> tuple[Tensor, ...]:
     """The rows over the three 16-bit segments (the valid slots, the first window_len[b] of the
     window, the new pairs causally: row m sees 0 .. m % S), in one softmax with the low-bit pass
     given as its row_max, row_sum and unnormalized output, by the log-sum-exp rule. Returns the
@@ -496,8 +654,10 @@ def merge_segments_reference(
     window_ok = torch.arange(window_k.shape[2], device=device) < window_len[:, None, None, None]
     new_ok = torch.arange(s, device=device) <= (torch.arange(m, device=device) % s)[:, None]
     oks = (fetched_valid.unsqueeze(2), window_ok, new_ok)
-    scores = [(rows @ k.float().transpose(-1, -2)).masked_fill(~ok, float("-inf"))
-              for (k, _), ok in zip(segments, oks)]
+    scores = [
+        (rows @ k.float().transpose(-1, -2)).masked_fill(~ok, float("-inf"))
+        for (k, _), ok in zip(segments, oks)
+    ]
     # every row sees its own pair, so the maximum is finite
     maxima = [row_max] + [x.amax(-1) for x in scores if x.shape[-1]]
     top = torch.stack(maxima, -1).amax(-1, keepdim=True)
@@ -509,8 +669,16 @@ def merge_segments_reference(
     return lowbit_out * (lowbit_scale / total) + exact, lowbit_scale / total, *probs
 
 
-def position_weights(weights: Tensor, scale: Tensor, p_fetched: Tensor, fetched_pos: Tensor,
-                     p_window: Tensor, window_start: Tensor, s: int, row: int) -> Tensor:
+def position_weights(
+    weights: Tensor,
+    scale: Tensor,
+    p_fetched: Tensor,
+    fetched_pos: Tensor,
+    p_window: Tensor,
+    window_start: Tensor,
+    s: int,
+    row: int,
+) -> Tensor:
     """How much weight each position of the history [0, T) gets from new row `row` (of S), per
     query head (B, Hkv, G, T): the low-bit weights times their scale, plus the probabilities of
     the slots holding it, plus those of the window (positions window_start[b] + r)."""
@@ -527,44 +695,69 @@ def position_weights(weights: Tensor, scale: Tensor, p_fetched: Tensor, fetched_
     # positions beyond the copy (never quantized) have no place in the ranking
     p_window_seen = pick(p_window) * (window_pos < t)[:, None, None, :]
     window_index = window_pos.clamp(max=t - 1)[:, None, None, :].expand_as(p_window_seen)
-    return (weight.scatter_add(-1, fetched, pick(p_fetched))
-            .scatter_add(-1, window_index, p_window_seen))
+    return weight.scatter_add(-1, fetched, pick(p_fetched)).scatter_add(
+        -1, window_index, p_window_seen
+    )
 
 
 def top_positions_reference(
-        weights: Tensor, scale: Tensor, p_fetched: Tensor, fetched_pos: Tensor, p_window: Tensor,
-        window_start: Tensor, s: int, row: int, gqa_max: bool, lower: int, upper: Tensor,
-        excluded_pos: Tensor, excluded_valid: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    weights: Tensor,
+    scale: Tensor,
+    p_fetched: Tensor,
+    fetched_pos: Tensor,
+    p_window: Tensor,
+    window_start: Tensor,
+    s: int,
+    row: int,
+    gqa_max: bool,
+    lower: int,
+    upper: Tensor,
+    excluded_pos: Tensor,
+    excluded_valid: Tensor,
+    k: int,
+) -> tuple[Tensor, Tensor]:
     """The choice of positions: each KV head ranks the history by `position_weights`, their max
     over its query heads (gqa_max) or their mean, and returns its k best candidates (B, Hkv, k),
     best first, and which of them are real (a short history has fewer than k). Candidates: lower
     <= t < upper[b], but the valid excluded positions (B, Hkv, E)."""
     t = weights.shape[-1]
-    weight = position_weights(weights, scale, p_fetched, fetched_pos, p_window, window_start, s,
-                              row)
+    weight = position_weights(
+        weights, scale, p_fetched, fetched_pos, p_window, window_start, s, row
+    )
     ranking = weight.amax(2) if gqa_max else weight.mean(2)
     position = torch.arange(t, device=weights.device)
-    candidates = ((position >= lower) & (position < upper[:, None, None])
-                  & ~positions_mask(excluded_pos, excluded_valid, t))
+    candidates = (
+        (position >= lower)
+        & (position < upper[:, None, None])
+        & ~positions_mask(excluded_pos, excluded_valid, t)
+    )
     top = ranking.masked_fill(~candidates, -1.0).topk(k, dim=-1)
     return top.indices, top.values >= 0
 
 
 _OPS = torch.library.Library("specache", "FRAGMENT")
-_OPS.define("lowbit_partial_attention(Tensor rows, Tensor k_packed, Tensor k_scale, "
-            "Tensor k_zero, Tensor v_packed, Tensor v_scale, Tensor v_zero, int bits, int group, "
-            "Tensor visible_len, Tensor excluded_pos, Tensor excluded_valid) "
-            "-> (Tensor, Tensor, Tensor, Tensor)")
-_OPS.define("merge_segments(Tensor rows, Tensor row_max, Tensor row_sum, Tensor lowbit_out, "
-            "Tensor fetched_k, Tensor fetched_v, Tensor fetched_valid, Tensor window_k, "
-            "Tensor window_v, Tensor window_len, Tensor new_k, Tensor new_v) "
-            "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
-_OPS.define("top_positions(Tensor weights, Tensor scale, Tensor p_fetched, Tensor fetched_pos, "
-            "Tensor p_window, Tensor window_start, int s, int row, bool gqa_max, int lower, "
-            "Tensor upper, Tensor excluded_pos, Tensor excluded_valid, int k) -> (Tensor, Tensor)")
-for _name, _reference in (("lowbit_partial_attention", lowbit_partial_attention_reference),
-                          ("merge_segments", merge_segments_reference),
-                          ("top_positions", top_positions_reference)):
+_OPS.define(
+    "lowbit_partial_attention(Tensor rows, Tensor k_packed, Tensor k_scale, "
+    "Tensor k_zero, Tensor v_packed, Tensor v_scale, Tensor v_zero, int bits, int group, "
+    "Tensor visible_len, Tensor excluded_pos, Tensor excluded_valid) "
+    "-> (Tensor, Tensor, Tensor, Tensor)"
+)
+_OPS.define(
+    "merge_segments(Tensor rows, Tensor row_max, Tensor row_sum, Tensor lowbit_out, "
+    "Tensor fetched_k, Tensor fetched_v, Tensor fetched_valid, Tensor window_k, "
+    "Tensor window_v, Tensor window_len, Tensor new_k, Tensor new_v) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+_OPS.define(
+    "top_positions(Tensor weights, Tensor scale, Tensor p_fetched, Tensor fetched_pos, "
+    "Tensor p_window, Tensor window_start, int s, int row, bool gqa_max, int lower, "
+    "Tensor upper, Tensor excluded_pos, Tensor excluded_valid, int k) -> (Tensor, Tensor)"
+)
+for _name, _reference in (
+    ("lowbit_partial_attention", lowbit_partial_attention_reference),
+    ("merge_segments", merge_segments_reference),
+    ("top_positions", top_positions_reference),
+):
     _OPS.impl(_name, _reference, "CompositeExplicitAutograd")
 
 
@@ -572,13 +765,29 @@ for _name, _reference in (("lowbit_partial_attention", lowbit_partial_attention_
 def _(rows, k_packed, *args):
     b, h, m, d = rows.shape
     t = k_packed.shape[2]
-    return (rows.new_empty(b, h, m, t), rows.new_empty(b, h, m), rows.new_empty(b, h, m),
-            rows.new_empty(b, h, m, d))
+    return (
+        rows.new_empty(b, h, m, t),
+        rows.new_empty(b, h, m),
+        rows.new_empty(b, h, m),
+        rows.new_empty(b, h, m, d),
+    )
 
 
 @torch.library.register_fake("specache::merge_segments")
-def _(rows, row_max, row_sum, lowbit_out, fetched_k, fetched_v, fetched_valid, window_k, window_v,
-      window_len, new_k, new_v):
+def _(
+    rows,
+    row_max,
+    row_sum,
+    lowbit_out,
+    fetched_k,
+    fetched_v,
+    fetched_valid,
+    window_k,
+    window_v,
+    window_len,
+    new_k,
+    new_v,
+):
     b, h, m, _ = rows.shape
     probs = (rows.new_empty(b, h, m, x.shape[2]) for x in (fetched_k, window_k, new_k))
     return torch.empty_like(rows), rows.new_empty(b, h, m, 1), *probs
@@ -587,15 +796,17 @@ def _(rows, row_max, row_sum, lowbit_out, fetched_k, fetched_v, fetched_valid, w
 @torch.library.register_fake("specache::top_positions")
 def _(weights, *args):
     b, h, k = weights.shape[0], weights.shape[1], args[-1]
-    return (weights.new_empty(b, h, k, dtype=torch.int64),
-            weights.new_empty(b, h, k, dtype=torch.bool))
+    return (
+        weights.new_empty(b, h, k, dtype=torch.int64),
+        weights.new_empty(b, h, k, dtype=torch.bool),
+    )
 
 
 def query_rows(q: Tensor, n_kv_heads: int) -> Tensor:
     """(B, H, S, D) -> (B, Hkv, G*S, D), fp32 and scaled by D**-0.5: the query rows that share
     each KV head; row = g*S + s."""
     b, h, s, d = q.shape
-    return q.reshape(b, n_kv_heads, (h // n_kv_heads) * s, d).float() * d ** -0.5
+    return q.reshape(b, n_kv_heads, (h // n_kv_heads) * s, d).float() * d**-0.5
 
 
 def lowbit_partial_attention(rows: Tensor, kv: LowBitKV, seg: Segments) -> LowBitPart:
@@ -604,40 +815,85 @@ def lowbit_partial_attention(rows: Tensor, kv: LowBitKV, seg: Segments) -> LowBi
     quantize anything) contributes nothing."""
     if kv.k_packed.shape[2] == 0:
         b, h, m, d = rows.shape
-        return LowBitPart(rows.new_zeros(b, h, m, 0), rows.new_full((b, h, m), float("-inf")),
-                          rows.new_zeros(b, h, m), rows.new_zeros(b, h, m, d))
-    return LowBitPart(*torch.ops.specache.lowbit_partial_attention(
-        rows, *kv[:6], kv.bits, kv.group, seg.quantized_len, seg.fetched_pos, seg.fetched_valid))
+        return LowBitPart(
+            rows.new_zeros(b, h, m, 0),
+            rows.new_full((b, h, m), float("-inf")),
+            rows.new_zeros(b, h, m),
+            rows.new_zeros(b, h, m, d),
+        )
+    return LowBitPart(
+        *torch.ops.specache.lowbit_partial_attention(
+            rows, *kv[:6], kv.bits, kv.group, seg.quantized_len, seg.fetched_pos, seg.fetched_valid
+        )
+    )
 
 
 def merge_segments(rows: Tensor, part: LowBitPart, seg: Segments) -> Merged:
     """The low-bit segment merged with the three 16-bit ones: the output and every segment's
     probabilities (`specache::merge_segments`)."""
-    return Merged(*torch.ops.specache.merge_segments(
-        rows, part.row_max, part.row_sum, part.out, seg.fetched_k, seg.fetched_v,
-        seg.fetched_valid, seg.window_k, seg.window_v, seg.window_len, seg.new_k, seg.new_v))
+    return Merged(
+        *torch.ops.specache.merge_segments(
+            rows,
+            part.row_max,
+            part.row_sum,
+            part.out,
+            seg.fetched_k,
+            seg.fetched_v,
+            seg.fetched_valid,
+            seg.window_k,
+            seg.window_v,
+            seg.window_len,
+            seg.new_k,
+            seg.new_v,
+        )
+    )
 
 
-def top_positions(part: LowBitPart, merged: Merged, seg: Segments, s: int, row: int, gqa: str,
-                  lower: int, upper: Tensor, excluded_pos: Tensor, excluded_valid: Tensor, k: int
-                  ) -> tuple[Tensor, Tensor]:
+def top_positions(
+    part: LowBitPart,
+    merged: Merged,
+    seg: Segments,
+    s: int,
+    row: int,
+    gqa: str,
+    lower: int,
+    upper: Tensor,
+    excluded_pos: Tensor,
+    excluded_valid: Tensor,
+    k: int,
+) -> tuple[Tensor, Tensor]:
     """The k positions new row `row` weighs most, per KV head, among lower <= t < upper[b] but the
     valid excluded ones (`specache::top_positions`)."""
     return torch.ops.specache.top_positions(
-        part.weights, merged.lowbit_scale, merged.p_fetched, seg.fetched_pos, merged.p_window,
-        seg.quantized_len, s, row, gqa == "max", lower, upper, excluded_pos, excluded_valid, k)
+        part.weights,
+        merged.lowbit_scale,
+        merged.p_fetched,
+        seg.fetched_pos,
+        merged.p_window,
+        seg.quantized_len,
+        s,
+        row,
+        gqa == "max",
+        lower,
+        upper,
+        excluded_pos,
+        excluded_valid,
+        k,
+    )
 
 
 def dequantize_values_at(kv: LowBitKV, positions: Tensor) -> Tensor:
     """The low-bit copy's values (B, Hkv, K, D), fp32, at positions (B, Hkv, K)."""
+
     def at(x: Tensor) -> Tensor:
         return x.gather(2, positions.unsqueeze(-1).expand(*positions.shape, x.shape[-1]))
 
     return dequantize_values(at(kv.v_packed), at(kv.v_scale), at(kv.v_zero), kv.bits, kv.group)
 
 
-def drop_from_lowbit(part: LowBitPart, kv: LowBitKV, positions: Tensor, valid: Tensor
-                     ) -> LowBitPart:
+def drop_from_lowbit(
+    part: LowBitPart, kv: LowBitKV, positions: Tensor, valid: Tensor
+) -> LowBitPart:
     """`part` as if the valid `positions` (B, Hkv, K; the valid ones distinct per head, invalid
     ones anywhere) had been excluded from the low-bit pass: their weights and weighted values are
     subtracted. This is how positions chosen from the pass's own weights move to the 16-bit
@@ -652,9 +908,12 @@ def drop_from_lowbit(part: LowBitPart, kv: LowBitKV, positions: Tensor, valid: T
     # scatter copies the whole (B, Hkv, M, T) tensor first); invalid entries add 0, wherever they
     # point
     b, h, device = positions.shape[0], positions.shape[1], index.device
-    at = (torch.arange(b, device=device)[:, None, None, None],
-          torch.arange(h, device=device)[:, None, None], torch.arange(m, device=device)[:, None],
-          index)
+    at = (
+        torch.arange(b, device=device)[:, None, None, None],
+        torch.arange(h, device=device)[:, None, None],
+        torch.arange(m, device=device)[:, None],
+        index,
+    )
     weights = part.weights.index_put(at, -dropped, accumulate=True)
     return LowBitPart(weights, part.row_max, row_sum, out)
 
@@ -665,8 +924,9 @@ def drop_from_lowbit(part: LowBitPart, kv: LowBitKV, positions: Tensor, valid: T
 # in memory), merged by each block's log-sum-exp as flash attention merges its tiles.
 
 
-def history_block(batch: int, n_heads: int, rows: int, head_dim: int, multiple: int,
-                  budget: int = 1 << 24) -> int:
+def history_block(
+    batch: int, n_heads: int, rows: int, head_dim: int, multiple: int, budget: int = 1 << 24
+) -> int:
     """How many history positions to take at a time for `rows` query rows per head: about
     `budget` float32 elements (64 MB) of scores or of K and V widened to every query head,
     whichever is larger; a multiple of `multiple`."""
@@ -687,17 +947,19 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[T
     return attention_with_lse_reference(q, k, v, causal)
 
 
-def attention_with_lse_reference(q: Tensor, k: Tensor, v: Tensor, causal: bool,
-                                 budget: int = 1 << 24) -> tuple[Tensor, Tensor]:
+def attention_with_lse_reference(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, budget: int = 1 << 24
+) -> tuple[Tensor, Tensor]:
     """The same in plain PyTorch, the rows in tiles of about `budget` scores."""
     b, n_heads, s, d = q.shape
     n_kv, n = k.shape[1], k.shape[2]
-    rows = (q.float() * d ** -0.5).view(b, n_kv, n_heads // n_kv, s, d)
+    rows = (q.float() * d**-0.5).view(b, n_kv, n_heads // n_kv, s, d)
     keys, values = k.float().unsqueeze(2), v.float().unsqueeze(2)
     tile = max(1, budget // (b * n_heads * n))
     outs, lses = [], []
     for first in range(0, s, tile):
-        scores = rows[:, :, :, first: first + tile] @ keys.transpose(-1, -2)  # (B, Hkv, G, tile, N)
+        # (B, Hkv, G, tile, N)
+        scores = rows[:, :, :, first : first + tile] @ keys.transpose(-1, -2)
         if causal:
             own = torch.arange(first, first + scores.shape[3], device=q.device)
             future = torch.arange(n, device=q.device) > own[:, None]
@@ -716,8 +978,9 @@ def attention_after_history(q: Tensor, k: Tensor, v: Tensor, history) -> Tensor:
     for block_k, block_v in history:
         block_out, block_lse = attention_with_lse(q, block_k, block_v, causal=False)
         merged = torch.logaddexp(lse, block_lse)
-        out = (out * torch.exp(lse - merged).unsqueeze(-1)
-               + block_out * torch.exp(block_lse - merged).unsqueeze(-1))
+        out = out * torch.exp(lse - merged).unsqueeze(-1) + block_out * torch.exp(
+            block_lse - merged
+        ).unsqueeze(-1)
         lse = merged
     return out.to(q.dtype)
 
@@ -730,77 +993,15 @@ def attention_after_history(q: Tensor, k: Tensor, v: Tensor, history) -> Tensor:
 # before the same layer at step t + 1; pairs chosen within a step are read and waited for at once.
 
 
-class PrefetchSlots(NamedTuple):
-    """Where a layer's prefetch lands: its slot buffers (B, Hkv, slots, ...) and the slots."""
-
-    k: Tensor
-    v: Tensor
-    pos: Tensor
-    valid: Tensor
-    where: slice
-
-
-class Kappa(NamedTuple):
-    """The positions a prefetch fetches (B, Hkv, k_spec), and which of them are real."""
-
-    pos: Tensor
-    valid: Tensor
-
-
-class TierSpec(NamedTuple):
-    """What a layer's slow tier is made from."""
-
-    shape: tuple[int, int, int, int]  # (B, Hkv, T, D): every position of every sequence
-    dtype: torch.dtype  # the pairs'
-    device: torch.device  # the fast tier's
-    slots: Optional[PrefetchSlots]  # None: the layer prefetches nothing
-    reuse: bool  # a read need not read again what the previous read of its kind held
-    overlap: bool  # Placement.overlap_fetch
-    state: "SpeCacheState"  # where each sequence's next real row goes (next_position)
-
-
-class SlowTier(Protocol):
-    """One layer's complete 16-bit K and V, and the moves of its pairs into the fast tier. A layer
-    calls, over a generation: reset; write (the prompt, in one piece or in chunks); read_range (a
-    chunk's history); then per pass before_step, read (the real row's picks), after_step."""
-
-    def reset(self) -> None:
-        """A generation begins: nothing held, nothing in flight."""
-
-    def write(self, b: int, start: int, k: Tensor, v: Tensor) -> None:
-        """Sequence b's pairs k, v (Hkv, N, D) at positions [start, start + N)."""
-
-    def read_range(self, first: int, last: int) -> tuple[Tensor, Tensor]:
-        """Every sequence's pairs at [first, last), (B, Hkv, N, D) each, on the fast tier's
-        device."""
-
-    def read(self, positions: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        """Inside the step, now: the pairs (B, Hkv, K, D) at positions (B, Hkv, K) (those not
-        valid may hold anything finite)."""
-
-    def before_step(self) -> None:
-        """The prefetch started after this layer's previous pass lands in its slots."""
-
-    def after_step(self, new_k: Optional[Tensor], new_v: Optional[Tensor],
-                   kappa: Optional[Kappa]) -> None:
-        """The real rows' pairs (B, Hkv, D) join the tier at TierSpec.state.next_position (None:
-        nothing kept), and the prefetch of kappa into the slots starts (None: no prefetch)."""
-
-    def keys(self) -> Tensor:
-        """Every key (B, Hkv, T, D) on the fast tier's device (diagnostics: it reads them all)."""
-
-    def nbytes(self) -> int:
-        """Bytes held."""
-
-
 def gather_pairs(store: Tensor, positions: Tensor, out: Optional[Tensor] = None) -> Tensor:
     """out[b, h, i] = store[b, h, positions[b, h, i]]: the pairs at `positions` (B, Hkv, K)."""
     index = positions.unsqueeze(-1).expand(*positions.shape, store.shape[-1])
     return torch.gather(store, 2, index) if out is None else torch.gather(store, 2, index, out=out)
 
 
-def held_match(positions: Tensor, valid: Tensor, held_pos: Tensor, held_valid: Tensor
-               ) -> tuple[Tensor, Tensor]:
+def held_match(
+    positions: Tensor, valid: Tensor, held_pos: Tensor, held_valid: Tensor
+) -> tuple[Tensor, Tensor]:
     """reuse: which valid positions (B, Hkv, K) a previous read (B, Hkv, K') holds already, and in
     which of its slots (B, Hkv, K; meaningful where held)."""
     match = (positions.unsqueeze(-1) == held_pos.unsqueeze(-2)) & held_valid.unsqueeze(-2)
@@ -822,8 +1023,8 @@ class RamTier:
         pass
 
     def write(self, b: int, start: int, k: Tensor, v: Tensor) -> None:
-        self.k[b, :, start: start + k.shape[1]] = k
-        self.v[b, :, start: start + v.shape[1]] = v
+        self.k[b, :, start : start + k.shape[1]] = k
+        self.v[b, :, start : start + v.shape[1]] = v
 
     def read_range(self, first: int, last: int) -> tuple[Tensor, Tensor]:
         return self.k[:, :, first:last], self.v[:, :, first:last]
@@ -834,19 +1035,22 @@ class RamTier:
     def before_step(self) -> None:
         pass  # a prefetch landed within the previous step
 
-    def after_step(self, new_k: Optional[Tensor], new_v: Optional[Tensor],
-                   kappa: Optional[Kappa]) -> None:
-        if new_k is not None:
-            batch = torch.arange(new_k.shape[0], device=new_k.device)
-            positions = self.spec.state.next_position()
-            self.k[batch, :, positions] = new_k
-            self.v[batch, :, positions] = new_v
+    def after_step(
+        self, new_k: Optional[Tensor], new_v: Optional[Tensor], kappa: Optional[Kappa]
+    ) -> None:
+        # the prefetch first: kappa never holds the new rows' positions, and reading the store
+        # before writing it lets torch.compile write it in place
         if kappa is not None:
             slots = self.spec.slots
             slots.k[:, :, slots.where] = gather_pairs(self.k, kappa.pos)
             slots.v[:, :, slots.where] = gather_pairs(self.v, kappa.pos)
             slots.pos[:, :, slots.where] = kappa.pos
             slots.valid[:, :, slots.where] = kappa.valid
+        if new_k is not None:
+            batch = torch.arange(new_k.shape[0], device=new_k.device)
+            positions = self.spec.state.next_position()
+            self.k[batch, :, positions] = new_k
+            self.v[batch, :, positions] = new_v
 
     def keys(self) -> Tensor:
         return self.k
@@ -891,8 +1095,8 @@ class PinnedTier:
         """Copy out on the side stream, keeping the source alive until the copy is done."""
         self.copy_stream.wait_stream(torch.cuda.current_stream(k.device))
         with torch.cuda.stream(self.copy_stream):
-            self.k[b, :, start: start + k.shape[1]].copy_(k, non_blocking=True)
-            self.v[b, :, start: start + v.shape[1]].copy_(v, non_blocking=True)
+            self.k[b, :, start : start + k.shape[1]].copy_(k, non_blocking=True)
+            self.v[b, :, start : start + v.shape[1]].copy_(v, non_blocking=True)
         k.record_stream(self.copy_stream)
         v.record_stream(self.copy_stream)
 
@@ -901,9 +1105,12 @@ class PinnedTier:
         graph). A slice of several sequences or heads is not contiguous: it is gathered into
         pinned memory first, so that the upload is asynchronous."""
         self.copy_stream.synchronize()
-        return tuple(torch.empty(x[:, :, first:last].shape, dtype=x.dtype, pin_memory=True)
-                     .copy_(x[:, :, first:last]).to(self.spec.device, non_blocking=True)
-                     for x in (self.k, self.v))
+        return tuple(
+            torch.empty(x[:, :, first:last].shape, dtype=x.dtype, pin_memory=True)
+            .copy_(x[:, :, first:last])
+            .to(self.spec.device, non_blocking=True)
+            for x in (self.k, self.v)
+        )
 
     def read(self, positions: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         return _read_now(self, positions)
@@ -911,8 +1118,9 @@ class PinnedTier:
     def before_step(self) -> None:
         _land(self)
 
-    def after_step(self, new_k: Optional[Tensor], new_v: Optional[Tensor],
-                   kappa: Optional[Kappa]) -> None:
+    def after_step(
+        self, new_k: Optional[Tensor], new_v: Optional[Tensor], kappa: Optional[Kappa]
+    ) -> None:
         _leave_layer(self, new_k, new_v, kappa)
 
     def keys(self) -> Tensor:
@@ -937,8 +1145,16 @@ class PinnedTier:
         positions_copied.synchronize()
         self.copy_stream.synchronize()  # the real rows written so far have landed
         if self.spec.reuse:
-            read_with_reuse(self.k, self.v, self.host_pos, self.host_valid, self.held_pos,
-                            self.held_valid, self.prefetch_k, self.prefetch_v)
+            read_with_reuse(
+                self.k,
+                self.v,
+                self.host_pos,
+                self.host_valid,
+                self.held_pos,
+                self.held_valid,
+                self.prefetch_k,
+                self.prefetch_v,
+            )
             self.held_pos.copy_(self.host_pos)
             self.held_valid.copy_(self.host_valid)
         else:
@@ -950,8 +1166,16 @@ class PinnedTier:
             self.landed.record(self.fetch_stream)
 
 
-def read_with_reuse(store_k: Tensor, store_v: Tensor, positions: Tensor, valid: Tensor,
-                    held_pos: Tensor, held_valid: Tensor, held_k: Tensor, held_v: Tensor) -> int:
+def read_with_reuse(
+    store_k: Tensor,
+    store_v: Tensor,
+    positions: Tensor,
+    valid: Tensor,
+    held_pos: Tensor,
+    held_valid: Tensor,
+    held_k: Tensor,
+    held_v: Tensor,
+) -> int:
     """Host tensors: turn held_k, held_v (B, Hkv, K, D), the pairs of held_pos, into the pairs of
     `positions` (B, Hkv, K), in place, reading from store_k, store_v (B, Hkv, T, D) only the valid
     positions not held already. Returns how many pairs it read."""
@@ -977,8 +1201,9 @@ def _land(tier: PinnedTier) -> None:
 
 
 @torch.compiler.disable
-def _leave_layer(tier: PinnedTier, new_k: Optional[Tensor], new_v: Optional[Tensor],
-                 kappa: Optional[Kappa]) -> None:
+def _leave_layer(
+    tier: PinnedTier, new_k: Optional[Tensor], new_v: Optional[Tensor], kappa: Optional[Kappa]
+) -> None:
     """After the layer's pass: the real rows go to host memory; the prefetch of kappa starts
     (and, without overlap, is waited for)."""
     if new_k is not None:
@@ -1001,7 +1226,8 @@ def _read_now(tier: PinnedTier, positions: Tensor) -> tuple[Tensor, Tensor]:
     if positions.shape not in tier.staging:
         tier.staging[positions.shape] = tuple(
             torch.zeros(*positions.shape, tier.k.shape[-1], dtype=tier.k.dtype, pin_memory=True)
-            for _ in range(2))
+            for _ in range(2)
+        )
     staging_k, staging_v = tier.staging[positions.shape]
     gather_pairs(tier.k, host, staging_k)
     gather_pairs(tier.v, host, staging_v)
@@ -1023,14 +1249,22 @@ class SpeCacheState:
     host (for the decisions the Python loop makes, so it never waits on the device), and what the
     next pass is."""
 
-    def __init__(self, config: SpeCacheConfig, batch_size: int, capacity: int,
-                 device: torch.device, head_dim: int, pair_dtype: torch.dtype,
-                 query_heads_per_kv: int):
+    def __init__(
+        self,
+        config: SpeCacheConfig,
+        batch_size: int,
+        capacity: int,
+        device: torch.device,
+        head_dim: int,
+        pair_dtype: torch.dtype,
+        query_heads_per_kv: int,
+    ):
         self.config, self.capacity = config, capacity
         self.group = config.method.group
         # R, and the most exact slots, such that the fast tier stays within a 16-bit cache
-        self.residual, self.max_slots = fast_tier_plan(config, capacity, head_dim, pair_dtype,
-                                                       query_heads_per_kv)
+        self.residual, self.max_slots = fast_tier_plan(
+            config, capacity, head_dim, pair_dtype, query_heads_per_kv
+        )
         self.quantized_len = torch.zeros(batch_size, dtype=torch.long, device=device)  # Lq
         self.window_len = torch.zeros(batch_size, dtype=torch.long, device=device)  # r
         # kappa is drawn from [0, selectable_len)
@@ -1060,13 +1294,16 @@ class SpeCacheState:
         return self.quantized_len + self.window_len
 
     def host_next_position(self) -> list[int]:
+        """next_position on the host (what the tiers that write after the step read)."""
         return self.held()
 
     def sync(self) -> None:
         """The device copies of the host's lengths (pinned and asynchronous on a GPU)."""
-        for device_copy, values in ((self.quantized_len, self.host_quantized_len),
-                                    (self.window_len, self.host_window_len),
-                                    (self.selectable_len, self.host_selectable_len())):
+        for device_copy, values in (
+            (self.quantized_len, self.host_quantized_len),
+            (self.window_len, self.host_window_len),
+            (self.selectable_len, self.host_selectable_len()),
+        ):
             host = torch.tensor(values, pin_memory=device_copy.is_cuda)
             device_copy.copy_(host, non_blocking=device_copy.is_cuda)
 
@@ -1074,31 +1311,15 @@ class SpeCacheState:
         """Lq, or Lq + g when the next kept row fills the window and its oldest group gets
         quantized."""
         full = self.residual + self.group
-        return [lq + (self.group if r + 1 == full else 0)
-                for lq, r in zip(self.host_quantized_len, self.host_window_len)]
+        return [
+            lq + (self.group if r + 1 == full else 0)
+            for lq, r in zip(self.host_quantized_len, self.host_window_len)
+        ]
 
 
 # What the layers' next pass is: the prompt (or a chunk of it), the bootstrap (T1 alone, nothing
 # kept), or a decode step (the real row kept)
 PREFILL, BOOTSTRAP, DECODE = "prefill", "bootstrap", "decode"
-
-
-class Probe(Protocol):
-    """Diagnostics plugged in from outside (this repository's specache_stats.py); the method
-    never needs one. `oracle`: the real row's picks come from `oracle_picks` instead of its
-    low-bit weights."""
-
-    oracle: bool
-
-    def reset(self) -> None:
-        """A generation begins."""
-
-    def oracle_picks(self, layer: "SpeCacheLayer", rows: Tensor, part: LowBitPart,
-                     merged: Merged, seg: Segments, s: int) -> tuple[Tensor, Tensor]:
-        """The real row's `layer.picks` positions (B, Hkv, picks), and which are real."""
-
-    def observe(self, layer: "SpeCacheLayer", rows: Tensor, seg: Segments, s: int) -> None:
-        """A decode step's pass through `layer`, before the prefetch rewrites its slots."""
 
 
 class SpeCacheLayer(nn.Module):
@@ -1112,9 +1333,18 @@ class SpeCacheLayer(nn.Module):
     positions the copy can hold.
     """
 
-    def __init__(self, state: SpeCacheState, index: int, n_heads: int, n_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device,
-                 make_tier: Callable[[TierSpec], SlowTier], probe: Optional[Probe] = None):
+    def __init__(
+        self,
+        state: SpeCacheState,
+        index: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        make_tier: Callable[[TierSpec], SlowTier],
+        probe: Optional[Probe] = None,
+    ):
         """`dtype`: the exact pairs' (window, slots, slow tier)."""
         super().__init__()
         c, b, t = state.config, state.quantized_len.shape[0], state.capacity
@@ -1162,16 +1392,24 @@ class SpeCacheLayer(nn.Module):
         fast("heads_checked", dtype=torch.long)
         self.fetched_pos[:, :, : self.n_sinks] = torch.arange(self.n_sinks, device=device)
         self.fetched_valid[:, :, : self.n_sinks] = True  # counted while quantized (below Lq)
-        where = self.spec_slots
-        prefetch = PrefetchSlots(self.fetched_k, self.fetched_v, self.fetched_pos,
-                                 self.fetched_valid, where) if self.k_spec else None
-        overlap = c.placement.overlap_fetch
-        self.tier = make_tier(TierSpec((b, n_kv_heads, t, head_dim), dtype, torch.device(device),
-                                       prefetch, sel.reuse, overlap, state))
+        prefetch = None
+        if self.k_spec:
+            buffers = (self.fetched_k, self.fetched_v, self.fetched_pos, self.fetched_valid)
+            prefetch = PrefetchSlots(*buffers, where=self.spec_slots)
+        spec = TierSpec(
+            shape=(b, n_kv_heads, t, head_dim),
+            dtype=dtype,
+            device=torch.device(device),
+            slots=prefetch,
+            reuse=sel.reuse,
+            overlap=c.placement.overlap_fetch,
+            state=state,
+        )
+        self.tier = make_tier(spec)
 
     def reset(self) -> None:
         """A generation starts: nothing fetched, chosen or counted yet."""
-        self.fetched_valid[:, :, self.n_sinks:] = False
+        self.fetched_valid[:, :, self.n_sinks :] = False
         self.kappa_valid.zero_()
         for count in (self.pairs_read, self.heads_discarded, self.heads_checked):
             count.zero_()
@@ -1183,8 +1421,8 @@ class SpeCacheLayer(nn.Module):
 
     def lowbit(self) -> LowBitKV:
         m = self.config.method
-        return LowBitKV(self.k_packed, self.k_scale, self.k_zero, self.v_packed, self.v_scale,
-                        self.v_zero, m.bits, m.group)
+        keys = (self.k_packed, self.k_scale, self.k_zero)
+        return LowBitKV(*keys, self.v_packed, self.v_scale, self.v_zero, m.bits, m.group)
 
     def _quantize_into(self, b: int, start: int, k: Tensor, v: Tensor) -> None:
         """Quantize k, v (Hkv, N, D) of sequence b (N a multiple of g) into positions [start,
@@ -1192,16 +1430,16 @@ class SpeCacheLayer(nn.Module):
         m, levels, n = self.config.method, self.config.selection.levels, k.shape[1]
         g, keys = m.group, slice(start // m.group, (start + n) // m.group)
         packed, scale, zero = quantize_keys(k, m.bits, g, self.k_scale.dtype, levels)
-        self.k_packed[b, :, start: start + n] = packed
+        self.k_packed[b, :, start : start + n] = packed
         self.k_scale[b, :, keys] = scale
         self.k_zero[b, :, keys] = zero
         packed, scale, zero = quantize_values(v, m.bits, g, self.v_scale.dtype, levels)
-        self.v_packed[b, :, start: start + n] = packed
-        self.v_scale[b, :, start: start + n] = scale
-        self.v_zero[b, :, start: start + n] = zero
+        self.v_packed[b, :, start : start + n] = packed
+        self.v_scale[b, :, start : start + n] = scale
+        self.v_zero[b, :, start : start + n] = zero
         sinks = max(0, min(self.n_sinks, start + n) - start)
-        self.fetched_k[b, :, start: start + sinks] = k[:, :sinks].to(self.fetched_k.dtype)
-        self.fetched_v[b, :, start: start + sinks] = v[:, :sinks].to(self.fetched_v.dtype)
+        self.fetched_k[b, :, start : start + sinks] = k[:, :sinks].to(self.fetched_k.dtype)
+        self.fetched_v[b, :, start : start + sinks] = v[:, :sinks].to(self.fetched_v.dtype)
 
     def ingest_prompt(self, k: Tensor, v: Tensor, start: int = 0) -> None:
         """After the prompt's attention: its rows k, v (B, Hkv, S, D) at positions [start, start
@@ -1220,8 +1458,8 @@ class SpeCacheLayer(nn.Module):
             pending_v = torch.cat([self.window_v[b, :, :r0], rows_v], 1)
             if lq1 > lq0:
                 self._quantize_into(b, lq0, pending_k[:, : lq1 - lq0], pending_v[:, : lq1 - lq0])
-            self.window_k[b, :, :r1] = pending_k[:, lq1 - lq0:]
-            self.window_v[b, :, :r1] = pending_v[:, lq1 - lq0:]
+            self.window_k[b, :, :r1] = pending_k[:, lq1 - lq0 :]
+            self.window_v[b, :, :r1] = pending_v[:, lq1 - lq0 :]
             self.tier.write(b, start, rows_k, rows_v)
 
     def history_blocks(self, start: int, block: int):
@@ -1237,12 +1475,13 @@ class SpeCacheLayer(nn.Module):
                 low_k, low_v = self.lowbit().dequantized(first, first + low)
                 # a copy, never the tier's own storage
                 k, v = k.to(torch.float32, copy=True), v.to(torch.float32, copy=True)
-                k[:, :, sinks: low], v[:, :, sinks: low] = low_k[:, :, sinks:], low_v[:, :, sinks:]
+                k[:, :, sinks:low], v[:, :, sinks:low] = low_k[:, :, sinks:], low_v[:, :, sinks:]
             yield k, v
 
     def flush_window(self, b: int) -> None:
         """Sequence b's window holds R + g tokens: quantize the oldest g (their 16-bit pairs are
-        in the slow tier already) and slide the window down by g."""
+        in the slow tier already) and slide the window down by g. (Ours: KIVI quantizes its whole
+        window when it reaches R, which leaves 0 to R - 1 recent tokens in 16 bits.)"""
         start, g = self.state.host_quantized_len[b], self.config.method.group
         self._quantize_into(b, start, self.window_k[b, :, :g], self.window_v[b, :, :g])
         self.window_k[b, :, :-g] = self.window_k[b, :, g:].clone()
@@ -1264,8 +1503,9 @@ class SpeCacheLayer(nn.Module):
         over the history as the slow tier holds it (prefill is bound by compute); then they join
         the cache."""
         if start == 0:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               enable_gqa=q.shape[1] != k.shape[1])
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+            )
         else:
             block = history_block(*q.shape, self.config.method.group)
             y = attention_after_history(q, k, v, self.history_blocks(start, block))
@@ -1279,9 +1519,18 @@ class SpeCacheLayer(nn.Module):
         b, n_heads, s, d = q.shape
         rows = query_rows(q, k.shape[1])
         discard = self.prefetch_missed(q) if self.correcting and keep else None
-        seg = Segments(state.quantized_len, self.fetched_k, self.fetched_v, self.fetched_pos,
-                       self.exact_slots(discard), self.window_k, self.window_v, state.window_len,
-                       k, v)
+        seg = Segments(
+            state.quantized_len,
+            self.fetched_k,
+            self.fetched_v,
+            self.fetched_pos,
+            self.exact_slots(discard),
+            self.window_k,
+            self.window_v,
+            state.window_len,
+            k,
+            v,
+        )
         part = lowbit_partial_attention(rows, self.lowbit(), seg)
         if self.picks:
             part, seg = self.pick_within_step(rows, part, seg, s, discard)
@@ -1291,9 +1540,21 @@ class SpeCacheLayer(nn.Module):
         kappa = None
         if self.k_spec:  # the last row (the speculative one, or T1) chooses kappa_{t+1}
             nothing = seg.fetched_pos[..., :0]
-            kappa = self.choose_prefetch(*top_positions(
-                part, merged, seg, s, s - 1, sel.gqa, self.n_sinks, state.selectable_len, nothing,
-                nothing.bool(), self.k_spec))
+            kappa = self.choose_prefetch(
+                *top_positions(
+                    part,
+                    merged,
+                    seg,
+                    s,
+                    s - 1,
+                    sel.gqa,
+                    self.n_sinks,
+                    state.selectable_len,
+                    nothing,
+                    nothing.bool(),
+                    self.k_spec,
+                )
+            )
         if self.correcting:
             self.last_query.copy_(q[:, :, -1])
         new_k = new_v = None
@@ -1321,8 +1582,9 @@ class SpeCacheLayer(nn.Module):
             exact[:, :, self.spec_slots] &= ~discard.unsqueeze(-1)
         return exact
 
-    def pick_within_step(self, rows: Tensor, part: LowBitPart, seg: Segments, s: int,
-                         discard: Optional[Tensor]) -> tuple[LowBitPart, Segments]:
+    def pick_within_step(
+        self, rows: Tensor, part: LowBitPart, seg: Segments, s: int, discard: Optional[Tensor]
+    ) -> tuple[LowBitPart, Segments]:
         """split (ours): the real row (row 0) picks the positions its low-bit weights weigh most
         (or, as the oracle, those a probe chooses with exact scores); their 16-bit pairs are read
         now, fill the real row's slots (all k slots of a KV head in `discard`), and their low-bit
@@ -1331,9 +1593,19 @@ class SpeCacheLayer(nn.Module):
         if self.probe is not None and self.probe.oracle:
             picks, valid = self.probe.oracle_picks(self, rows, part, merged, seg, s)
         else:  # candidates: quantized, not held in a valid slot
-            picks, valid = top_positions(part, merged, seg, s, 0, self.config.selection.gqa, 0,
-                                         self.state.quantized_len, seg.fetched_pos,
-                                         seg.fetched_valid, self.picks)
+            picks, valid = top_positions(
+                part,
+                merged,
+                seg,
+                s,
+                0,
+                self.config.selection.gqa,
+                0,
+                self.state.quantized_len,
+                seg.fetched_pos,
+                seg.fetched_valid,
+                self.picks,
+            )
         device = rows.device
         slot = torch.arange(self.fetched_pos.shape[-1], device=device)
         # a head's first picked slot
@@ -1348,8 +1620,9 @@ class SpeCacheLayer(nn.Module):
             """Per slot: the pick of its rank where the slot is taken, else what it held."""
             extra = new.shape[3:]
             index = rank.view(*rank.shape, *[1] * len(extra)).expand(*rank.shape, *extra)
-            return torch.where(taken.view(*taken.shape, *[1] * len(extra)), new.gather(2, index),
-                               old)
+            return torch.where(
+                taken.view(*taken.shape, *[1] * len(extra)), new.gather(2, index), old
+            )
 
         pair_k, pair_v = self.tier.read(picks, valid)
         self.fetched_k.copy_(place(pair_k.to(self.fetched_k.dtype), self.fetched_k))
@@ -1384,8 +1657,9 @@ class SpeCacheLayer(nn.Module):
     def fast_tier_bytes(self) -> int:
         """The layer's fast-tier buffers, all sequences (not its counters)."""
         counters = ("pairs_read", "heads_discarded", "heads_checked")
-        return sum(t.numel() * t.element_size() for name, t in self.named_buffers()
-                   if name not in counters)
+        return sum(
+            t.numel() * t.element_size() for name, t in self.named_buffers() if name not in counters
+        )
 
 
 # --- the two-row step and the bootstrap: a generation ----------------------------------------
@@ -1412,26 +1686,55 @@ class SpeCache:
         cache.finish()
     """
 
-    def __init__(self, config: SpeCacheConfig, n_layers: int, n_heads: int, n_kv_heads: int,
-                 head_dim: int, batch_size: int, max_seq_length: int, device: torch.device,
-                 dtype: torch.dtype, probe: Optional[Probe] = None):
+    def __init__(
+        self,
+        config: SpeCacheConfig,
+        n_layers: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        batch_size: int,
+        max_seq_length: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        probe: Optional[Probe] = None,
+    ):
         config.validate(head_dim)
         group = config.method.group
         self.capacity = -(-max_seq_length // group) * group
         self.config, self.device, self.probe = config, torch.device(device), probe
         pair_dtype = config.placement.pair_dtype_for(dtype)
-        self.state = SpeCacheState(config, batch_size, self.capacity, self.device, head_dim,
-                                   pair_dtype, n_heads // n_kv_heads)
+        self.state = SpeCacheState(
+            config,
+            batch_size,
+            self.capacity,
+            self.device,
+            head_dim,
+            pair_dtype,
+            n_heads // n_kv_heads,
+        )
         make_tier = config.placement.slow_tier
         if make_tier is None and self.device.type == "cuda":
             executor = ThreadPoolExecutor(1, thread_name_prefix="specache-fetch")
             make_tier = partial(PinnedTier, executor=executor)
-        self.layers = [SpeCacheLayer(self.state, i, n_heads, n_kv_heads, head_dim, pair_dtype,
-                                     self.device, make_tier or RamTier, probe)
-                       for i in range(n_layers)]
+        self.layers = [
+            SpeCacheLayer(
+                self.state,
+                i,
+                n_heads,
+                n_kv_heads,
+                head_dim,
+                pair_dtype,
+                self.device,
+                make_tier or RamTier,
+                probe,
+            )
+            for i in range(n_layers)
+        ]
         self.speculative = config.method.speculative and config.method.topk > 0
-        self.guess_next: Callable[[Tensor, Tensor, Tensor], Tensor] = \
-            GUESSES[config.selection.guess]
+        self.guess_next: Callable[[Tensor, Tensor, Tensor], Tensor] = GUESSES[
+            config.selection.guess
+        ]
 
     def begin(self, tokens: Tensor, lengths: Tensor, held: int = 0) -> None:
         """A generation of the prompts `tokens` (B, S, right-padded to `lengths`) starts: every
@@ -1439,8 +1742,10 @@ class SpeCache:
         0: each sequence holds that many tokens already (earlier turns, kept by the last
         `finish(keep=True)`), which the prompts continue."""
         if held and self.state.held() != [held] * len(self.state.held()):
-            raise ValueError(f"the cache holds {self.state.held()} tokens per sequence, not "
-                             f"{held}: a continued generation starts where the last one ended")
+            raise ValueError(
+                f"the cache holds {self.state.held()} tokens per sequence, not "
+                f"{held}: a continued generation starts where the last one ended"
+            )
         self.state.begin((held + lengths).tolist())
         for layer in self.layers:
             layer.reset()
@@ -1448,13 +1753,14 @@ class SpeCache:
             self.probe.reset()
         if not held:  # real tokens, for prompt lookup
             self.token_history = lengths.new_zeros(lengths.shape[0], self.capacity + 1)
-        self.token_history[:, held: held + tokens.shape[1]] = tokens
+        self.token_history[:, held : held + tokens.shape[1]] = tokens
         self.history_len = held + lengths
         self.guess = self.guessed_from = None
         self.matches = torch.zeros((), dtype=torch.long, device=self.device)
 
-    def bootstrap(self, forward: Callable[[Tensor, Tensor], Tensor], first: Tensor,
-                  positions: Tensor) -> None:
+    def bootstrap(
+        self, forward: Callable[[Tensor, Tensor], Tensor], first: Tensor, positions: Tensor
+    ) -> None:
         """T1 alone: it chooses kappa_1 and guesses T'2; its K, V are not kept. Eager (once per
         generation)."""
         if self.speculative:
@@ -1463,8 +1769,9 @@ class SpeCache:
                 logits = forward(first, positions)
             self.guess = self.guess_next(logits[:, -1], self.token_history, self.history_len)
 
-    def step(self, forward: Callable[[Tensor, Tensor], Tensor], token: Tensor,
-             positions: Tensor) -> Tensor:
+    def step(
+        self, forward: Callable[[Tensor, Tensor], Tensor], token: Tensor, positions: Tensor
+    ) -> Tensor:
         """A decode step: rows [T_t, T'_{t+1}] at [p, p + 1] (or T_t alone, not speculative); the
         real row's logits (B, 1, V)."""
         self.state.phase = DECODE

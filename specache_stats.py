@@ -12,18 +12,34 @@ They read the whole slow tier each step, so they cost a pass over the 16-bit key
 (`--specache_select oracle`, `oracle=mass`) choose the real row's k pairs from its exact scores:
 where the low-bit weights are furthest off ("error") or the largest exact weights ("mass").
 """
+
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from model import Transformer
-from specache import (LowBitPart, Merged, Segments, SpeCacheLayer, lowbit_partial_attention,
-                      merge_segments, position_weights, positions_mask)
+from specache import (
+    LowBitPart,
+    Merged,
+    Segments,
+    SpeCacheLayer,
+    lowbit_partial_attention,
+    merge_segments,
+    position_weights,
+    positions_mask,
+)
 
 # What `diagnose` sums per KV head
-DIAGNOSTICS = ("own_hits", "own_total", "exact_hits", "exact_total", "coverage", "oracle_coverage",
-               "rows")
+DIAGNOSTICS = (
+    "own_hits",
+    "own_total",
+    "exact_hits",
+    "exact_total",
+    "coverage",
+    "oracle_coverage",
+    "rows",
+)
 
 
 def select_top_k(scores: Tensor, candidates: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -36,12 +52,21 @@ def select_top_k(scores: Tensor, candidates: Tensor, k: int) -> tuple[Tensor, Te
 def real_row_weights(part: LowBitPart, merged: Merged, seg: Segments, s: int) -> Tensor:
     """The weight the real row (row 0) gives each position of the history, per query head
     (B, Hkv, G, T)."""
-    return position_weights(part.weights, merged.lowbit_scale, merged.p_fetched, seg.fetched_pos,
-                            merged.p_window, seg.quantized_len, s, 0)
+    return position_weights(
+        part.weights,
+        merged.lowbit_scale,
+        merged.p_fetched,
+        seg.fetched_pos,
+        merged.p_window,
+        seg.quantized_len,
+        s,
+        0,
+    )
 
 
-def exact_real_row_probs(layer: SpeCacheLayer, rows: Tensor, seg: Segments, s: int
-                         ) -> tuple[Tensor, Tensor]:
+def exact_real_row_probs(
+    layer: SpeCacheLayer, rows: Tensor, seg: Segments, s: int
+) -> tuple[Tensor, Tensor]:
     """The real row's exact attention, from the 16-bit keys in the slow tier, the window and its
     own key: the probabilities of the history's positions [0, T) (B, Hkv, G, T), per query head,
     and the probability of the window and its own key together (B, Hkv, G)."""
@@ -81,15 +106,22 @@ def diagnose(layer: SpeCacheLayer, rows: Tensor, seg: Segments, s: int) -> Tenso
     own_weights = real_row_weights(plain_part, merge_segments(rows, plain_part, plain), plain, s)
     ranking = own_weights.amax(2) if layer.config.selection.gqa == "max" else own_weights.mean(2)
     own, own_valid = select_top_k(ranking, selectable, k)
-    fetched_pos = seg.fetched_pos[:, :, layer.n_sinks:]
-    fetched_valid = seg.fetched_valid[:, :, layer.n_sinks:]
+    fetched_pos = seg.fetched_pos[:, :, layer.n_sinks :]
+    fetched_valid = seg.fetched_valid[:, :, layer.n_sinks :]
 
     def hits(positions: Tensor, valid: Tensor) -> Tensor:
         found = (fetched_pos.unsqueeze(-1) == positions.unsqueeze(-2)) & fetched_valid.unsqueeze(-1)
         return (found.any(-2) & valid).sum(-1)
 
-    sums = [hits(own, own_valid), own_valid.sum(-1), hits(oracle, oracle_valid),
-            oracle_valid.sum(-1), coverage, oracle_coverage, torch.ones_like(coverage)]
+    sums = [
+        hits(own, own_valid),
+        own_valid.sum(-1),
+        hits(oracle, oracle_valid),
+        oracle_valid.sum(-1),
+        coverage,
+        oracle_coverage,
+        torch.ones_like(coverage),
+    ]
     return torch.stack([x.double() for x in sums]).sum(1)
 
 
@@ -98,18 +130,32 @@ class Diagnostics:
     layers with `n_kv_heads` (with `observe`), and the oracle's choice of the real row's pairs
     (with `oracle`, "error" or "mass")."""
 
-    def __init__(self, n_layers: int, n_kv_heads: int, device: torch.device,
-                 oracle: Optional[str] = None, observe: bool = True):
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        device: torch.device,
+        oracle: Optional[str] = None,
+        observe: bool = True,
+    ):
         self.kind, self.observing = oracle, observe
         self.oracle = oracle is not None
-        self.sums = torch.zeros(n_layers, len(DIAGNOSTICS), n_kv_heads, dtype=torch.float64,
-                                device=device)
+        self.sums = torch.zeros(
+            n_layers, len(DIAGNOSTICS), n_kv_heads, dtype=torch.float64, device=device
+        )
 
     def reset(self) -> None:
         self.sums.zero_()
 
-    def oracle_picks(self, layer: SpeCacheLayer, rows: Tensor, part: LowBitPart, merged: Merged,
-                     seg: Segments, s: int) -> tuple[Tensor, Tensor]:
+    def oracle_picks(
+        self,
+        layer: SpeCacheLayer,
+        rows: Tensor,
+        part: LowBitPart,
+        merged: Merged,
+        seg: Segments,
+        s: int,
+    ) -> tuple[Tensor, Tensor]:
         exact, _ = exact_real_row_probs(layer, rows, seg, s)
         if self.kind == "mass":
             scores = exact.mean(2)
@@ -128,13 +174,20 @@ class Diagnostics:
         """The sums as shares: overall and per layer (the mean over its KV heads)."""
         sums = self.sums.sum(-1)  # (layers, len(DIAGNOSTICS))
         named = dict(zip(DIAGNOSTICS, sums.T))
-        shares = {"recall_own_lowbit": ("own_hits", "own_total"),
-                  "recall_exact": ("exact_hits", "exact_total"),
-                  "coverage": ("coverage", "rows"), "oracle_coverage": ("oracle_coverage", "rows")}
-        total = {key: float(named[a].sum() / max(1.0, float(named[b].sum())))
-                 for key, (a, b) in shares.items()}
-        per_layer = {key: [round(float(x), 4) for x in named[a] / named[b].clamp_min(1)]
-                     for key, (a, b) in shares.items()}
+        shares = {
+            "recall_own_lowbit": ("own_hits", "own_total"),
+            "recall_exact": ("exact_hits", "exact_total"),
+            "coverage": ("coverage", "rows"),
+            "oracle_coverage": ("oracle_coverage", "rows"),
+        }
+        total = {
+            key: float(named[a].sum() / max(1.0, float(named[b].sum())))
+            for key, (a, b) in shares.items()
+        }
+        per_layer = {
+            key: [round(float(x), 4) for x in named[a] / named[b].clamp_min(1)]
+            for key, (a, b) in shares.items()
+        }
         return {**total, "per_layer": per_layer}
 
 
@@ -175,16 +228,22 @@ def cache_stats(cache, steps: int) -> dict:
     kind = "specache" if method.speculative else "specache-nospec"
     stats = {
         "cache": kind if method.topk else "kivi",
-        "bits": method.bits, "group": method.group, "residual": method.residual,
-        "topk": layer.k_spec + layer.k_real, "select": select,
-        "prefetched_pairs": layer.k_spec, "pairs_chosen_in_step": layer.k_real,
-        "sinks": layer.n_sinks, "capacity_tokens": state.capacity,
+        "bits": method.bits,
+        "group": method.group,
+        "residual": method.residual,
+        "topk": layer.k_spec + layer.k_real,
+        "select": select,
+        "prefetched_pairs": layer.k_spec,
+        "pairs_chosen_in_step": layer.k_real,
+        "sinks": layer.n_sinks,
+        "capacity_tokens": state.capacity,
         "fast_tier_bytes": fast,
         "slow_tier_bytes": sum(each.tier.nbytes() for each in cache.layers),
         "fast_tier_ratio_to_16bit_cache": fast / full_16bit,
         "bytes_fetched_per_token": pairs_read * pair_bytes / max(1, steps * batch),
-        "speculative_match_rate": (int(cache.matches) / max(1, steps * batch)
-                                   if cache.speculative else None),
+        "speculative_match_rate": (
+            int(cache.matches) / max(1, steps * batch) if cache.speculative else None
+        ),
         "prefetch_discarded_share": discarded / checked if checked else None,
     }
     if cache.folder is not None:  # what the disk tier read: whole positions, each once
@@ -195,21 +254,25 @@ def cache_stats(cache, steps: int) -> dict:
         global_16bit = 2 * 2 * c.n_local_heads * c.head_dim * state.capacity * batch
         global_16bit *= len(cache.layers)
         without_windows = sixteen_bit_cache_bytes(cache.model, state.capacity, batch, windows=False)
-        stats.update({
-            "full_attention_layers": len(cache.layers), "sliding_window_layers": len(cache.rings),
-            "fast_tier_bytes_full_attention_layers": fast_global,
-            "fast_tier_bytes_sliding_window_layers": fast_rings,
-            "fast_tier_ratio_full_attention_layers": fast_global / global_16bit,
-            "fast_tier_ratio_sliding_window_layers": fast_rings / (full_16bit - global_16bit),
-            "fast_tier_ratio_to_16bit_cache_without_windows": fast / without_windows,
-        })
+        stats.update(
+            {
+                "full_attention_layers": len(cache.layers),
+                "sliding_window_layers": len(cache.rings),
+                "fast_tier_bytes_full_attention_layers": fast_global,
+                "fast_tier_bytes_sliding_window_layers": fast_rings,
+                "fast_tier_ratio_full_attention_layers": fast_global / global_16bit,
+                "fast_tier_ratio_sliding_window_layers": fast_rings / (full_16bit - global_16bit),
+                "fast_tier_ratio_to_16bit_cache_without_windows": fast / without_windows,
+            }
+        )
     if cache.probe is not None and cache.probe.observing:
         stats["diagnostics"] = cache.probe.summary()
     return stats
 
 
-def sixteen_bit_cache_bytes(model: Transformer, capacity: int, batch: int = 1,
-                            windows: bool = True) -> int:
+def sixteen_bit_cache_bytes(
+    model: Transformer, capacity: int, batch: int = 1, windows: bool = True
+) -> int:
     """Bytes of 16-bit K and V caches for `batch` sequences of `capacity` positions: what the
     fast-tier ratios compare with. Sliding-window layers hold their window only (as the full cache
     here does), or with `windows=False` the whole capacity (as a cache that ignores them would)."""

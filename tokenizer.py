@@ -12,13 +12,23 @@ Llama-2's `[INST]`. They wrap a conversation the way each model's own chat templ
 (SmolLM2 and Qwen2.5 add their default system prompt; Gemma, which has no system turn, puts the
 system prompt at the head of the user's turn).
 """
+
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Iterable, Optional
 
-# Names that end a turn or a document in the supported families; any present in the vocabulary stops generation.
-END_TOKEN_NAMES = ("</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<eos>", "<end_of_turn>")
+# Names that end a turn or a document in the supported families; any present in the vocabulary stops
+# generation.
+END_TOKEN_NAMES = (
+    "</s>",
+    "<|endoftext|>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<eos>",
+    "<end_of_turn>",
+)
 
 # The default system message each family's chat template inserts when the user gives none.
 DEFAULT_SYSTEM_PROMPTS = {
@@ -37,8 +47,14 @@ class Tokenizer(ABC):
         self.checkpoint_dir = checkpoint_dir
         self.stop_ids = {i for name in END_TOKEN_NAMES if (i := self.token_to_id(name)) is not None}
         self.stop_ids |= _configured_eos_ids(checkpoint_dir)
-        self.default_system = next((text for family, text in DEFAULT_SYSTEM_PROMPTS.items()
-                                    if family in checkpoint_dir.name.lower()), None)
+        self.default_system = next(
+            (
+                text
+                for family, text in DEFAULT_SYSTEM_PROMPTS.items()
+                if family in checkpoint_dir.name.lower()
+            ),
+            None,
+        )
 
     @abstractmethod
     def encode(self, text: str, bos: bool = True) -> list[int]:
@@ -66,9 +82,12 @@ class Tokenizer(ABC):
         return "llama2"
 
     def encode_chat(self, prompt: str, system: Optional[str] = None) -> list[int]:
-        """Ids of one user turn wrapped in the model's chat format, ending where the reply starts."""
-        return self.encode_messages(([{"role": "system", "content": system}] if system is not None else [])
-                                    + [{"role": "user", "content": prompt}])
+        """Ids of one user turn wrapped in the model's chat format, ending where the reply
+        starts."""
+        return self.encode_messages(
+            ([{"role": "system", "content": system}] if system is not None else [])
+            + [{"role": "user", "content": prompt}]
+        )
 
     def encode_messages(self, messages: list[dict]) -> list[int]:
         """Ids of a conversation (OpenAI-style {"role": system|user|assistant, "content": text}
@@ -88,12 +107,16 @@ class Tokenizer(ABC):
             text = "<|begin_of_text|>"
             if system:
                 text += f"<|start_header_id|>system<|end_header_id|>\n\n{system.strip()}<|eot_id|>"
-            text += "".join(f"<|start_header_id|>{role}<|end_header_id|>\n\n{content.strip()}<|eot_id|>"
-                            for role, content in turns)
-            return self.encode(text + "<|start_header_id|>assistant<|end_header_id|>\n\n", bos=False)
+            text += "".join(
+                f"<|start_header_id|>{role}<|end_header_id|>\n\n{content.strip()}<|eot_id|>"
+                for role, content in turns
+            )
+            return self.encode(
+                text + "<|start_header_id|>assistant<|end_header_id|>\n\n", bos=False
+            )
         if self.chat_format == "gemma":
-            # Gemma 3's template: the system text (untrimmed) + "\n\n" opens the first user turn; each
-            # message is trimmed; the assistant is "model".
+            # Gemma 3's template: the system text (untrimmed) + "\n\n" opens the first user turn;
+            # each message is trimmed; the assistant is "model".
             text = ""
             for i, (role, content) in enumerate(turns):
                 prefix = f"{system}\n\n" if system and i == 0 else ""
@@ -102,8 +125,13 @@ class Tokenizer(ABC):
             return self.encode(text + "<start_of_turn>model\n", bos=True)
         # Llama-2: each user turn and its answer are one [INST] block, with BOS; the system prompt
         # opens the first
-        if [role for role, _ in turns] != ["user", "assistant"] * (len(turns) // 2) + ["user"] * (len(turns) % 2):
-            raise ValueError("Llama-2's chat format needs user and assistant turns in turn, starting with the user")
+        if [role for role, _ in turns] != ["user", "assistant"] * (len(turns) // 2) + ["user"] * (
+            len(turns) % 2
+        ):
+            raise ValueError(
+                "Llama-2's chat format needs user and assistant turns in turn, starting with the "
+                "user"
+            )
         eos = self.token_to_id("</s>")
         ids: list[int] = []
         for i in range(0, len(turns), 2):
@@ -118,25 +146,38 @@ class Tokenizer(ABC):
                 ids += self.encode(text, bos=True)
         return ids
 
-
     @property
     def end_of_turn_id(self) -> Optional[int]:
         """The token that closes a turn in this chat format (where the model's reply stops)."""
-        return self.token_to_id({"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>",
-                                 "llama2": "</s>"}[self.chat_format])
+        return self.token_to_id(
+            {
+                "chatml": "<|im_end|>",
+                "llama3": "<|eot_id|>",
+                "gemma": "<end_of_turn>",
+                "llama2": "</s>",
+            }[self.chat_format]
+        )
 
     def encode_next_turn(self, content: str) -> list[int]:
-        """Ids of the user's next turn in a conversation whose last reply ended with `end_of_turn_id`,
+        """Ids of the user's next turn in a conversation whose last reply ended with
+        `end_of_turn_id`,
         ending where the assistant's next reply starts: what follows that token in `encode_messages`
         of the whole conversation, so that a chat can prefill only the new turn (chat.py)."""
         if self.chat_format == "chatml":
-            return self.encode(f"\n<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n", bos=False)
+            return self.encode(
+                f"\n<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n", bos=False
+            )
         if self.chat_format == "llama3":
-            return self.encode(f"<|start_header_id|>user<|end_header_id|>\n\n{content.strip()}<|eot_id|>"
-                               "<|start_header_id|>assistant<|end_header_id|>\n\n", bos=False)
+            return self.encode(
+                f"<|start_header_id|>user<|end_header_id|>\n\n{content.strip()}<|eot_id|>"
+                "<|start_header_id|>assistant<|end_header_id|>\n\n",
+                bos=False,
+            )
         if self.chat_format == "gemma":
-            return self.encode(f"\n<start_of_turn>user\n{content.strip()}<end_of_turn>\n<start_of_turn>model\n",
-                               bos=False)
+            return self.encode(
+                f"\n<start_of_turn>user\n{content.strip()}<end_of_turn>\n<start_of_turn>model\n",
+                bos=False,
+            )
         return self.encode(f"[INST] {content.strip()} [/INST]", bos=True)
 
 
@@ -160,13 +201,13 @@ class IncrementalText:
         return self._take(final=True)
 
     def _take(self, final: bool) -> str:
-        before = self.tokenizer.decode(self.ids[self._prefix: self._read])
-        after = self.tokenizer.decode(self.ids[self._prefix:])
+        before = self.tokenizer.decode(self.ids[self._prefix : self._read])
+        after = self.tokenizer.decode(self.ids[self._prefix :])
         if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
             return ""
         self._prefix, self._read = self._read, len(self.ids)
-        self.text += after[len(before):]
-        return after[len(before):]
+        self.text += after[len(before) :]
+        return after[len(before) :]
 
 
 def _configured_eos_ids(checkpoint_dir: Path) -> set[int]:
@@ -188,7 +229,8 @@ class SentencePieceTokenizer(Tokenizer):
         self.vocab_size = self.processor.vocab_size()
         self.bos_id = self.processor.bos_id()
         super().__init__(model_file.parent)
-        # "</s>" ends Llama-2's documents but is Gemma's strikethrough HTML tag: it stops only as the model's EOS.
+        # "</s>" ends Llama-2's documents but is Gemma's strikethrough HTML tag: it stops only as
+        # the model's EOS.
         if (end := self.token_to_id("</s>")) is not None and end != self.processor.eos_id():
             self.stop_ids.discard(end)
 
@@ -206,8 +248,11 @@ class SentencePieceTokenizer(Tokenizer):
 class TiktokenTokenizer(Tokenizer):
     """Llama-3's tokenizer.model: base64 BPE ranks plus 256 special tokens after them."""
 
-    pattern = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+    pattern = (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| "
+        r"?[^\s\p{L}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
     num_reserved_special_tokens = 256
 
     def __init__(self, model_file: Path):
@@ -215,12 +260,26 @@ class TiktokenTokenizer(Tokenizer):
         from tiktoken.load import load_tiktoken_bpe
 
         ranks = load_tiktoken_bpe(str(model_file))
-        names = ["<|begin_of_text|>", "<|end_of_text|>"] + [f"<|reserved_special_token_{i}|>" for i in range(4)]
-        names += ["<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>"]
-        names += [f"<|reserved_special_token_{i}|>" for i in range(5, self.num_reserved_special_tokens - 5)]
+        names = ["<|begin_of_text|>", "<|end_of_text|>"] + [
+            f"<|reserved_special_token_{i}|>" for i in range(4)
+        ]
+        names += [
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|reserved_special_token_4|>",
+            "<|eot_id|>",
+        ]
+        names += [
+            f"<|reserved_special_token_{i}|>"
+            for i in range(5, self.num_reserved_special_tokens - 5)
+        ]
         self.special_tokens = {name: len(ranks) + i for i, name in enumerate(names)}
-        self.model = tiktoken.Encoding(name=model_file.name, pat_str=self.pattern, mergeable_ranks=ranks,
-                                       special_tokens=self.special_tokens)
+        self.model = tiktoken.Encoding(
+            name=model_file.name,
+            pat_str=self.pattern,
+            mergeable_ranks=ranks,
+            special_tokens=self.special_tokens,
+        )
         self.vocab_size = self.model.n_vocab
         self.bos_id = self.special_tokens["<|begin_of_text|>"]
         super().__init__(model_file.parent)
@@ -236,7 +295,8 @@ class TiktokenTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
-    """A tokenizer.json read by HF `tokenizers` (its post-processor decides whether BOS is added)."""
+    """A tokenizer.json read by HF `tokenizers` (its post-processor decides whether BOS is
+    added)."""
 
     def __init__(self, tokenizer_file: Path):
         from tokenizers import Tokenizer as RustTokenizer
@@ -244,8 +304,14 @@ class HFTokenizer(Tokenizer):
         self.model = RustTokenizer.from_file(str(tokenizer_file))
         self.vocab_size = self.model.get_vocab_size(with_added_tokens=True)
         config_file = tokenizer_file.parent / "tokenizer_config.json"
-        bos = json.loads(config_file.read_text()).get("bos_token") if config_file.is_file() else None
-        self.bos_id = self.model.token_to_id(bos["content"] if isinstance(bos, dict) else bos) if bos else None
+        bos = (
+            json.loads(config_file.read_text()).get("bos_token") if config_file.is_file() else None
+        )
+        self.bos_id = (
+            self.model.token_to_id(bos["content"] if isinstance(bos, dict) else bos)
+            if bos
+            else None
+        )
         super().__init__(tokenizer_file.parent)
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
@@ -266,7 +332,8 @@ def get_tokenizer(checkpoint_dir: Path) -> Tokenizer:
     if not model_file.is_file():
         raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {checkpoint_dir}")
     with open(model_file, "rb") as f:
-        is_sentencepiece = f.read(1) == b"\n"  # a serialized ModelProto starts with field 1 (pieces)
+        # a serialized ModelProto starts with field 1 (pieces)
+        is_sentencepiece = f.read(1) == b"\n"
     if is_sentencepiece:
         return SentencePieceTokenizer(model_file)
     return TiktokenTokenizer(model_file)

@@ -4,33 +4,42 @@ attention heads and of the FFN, and the KV cache of its own KV heads.
     torchrun --standalone --nproc_per_node 2 generate.py --specache --prompt "..." --temperature 0
 
 Sharding (each rank r of N takes the r-th N-th of each part):
-- `wqkv` by heads: it is one Linear whose rows are q (H heads), k and v (Hkv heads each); each part is
-  cut apart, so that a rank holds H/N query heads and the Hkv/N KV heads they read (query head h reads
-  KV head h // G; consecutive blocks of heads keep that pairing). Its bias (Qwen) goes with the rows.
+- `wqkv` by heads: it is one Linear whose rows are q (H heads), k and v (Hkv heads each); each part
+is
+  cut apart, so that a rank holds H/N query heads and the Hkv/N KV heads they read (query head h
+  reads
+  KV head h // G; consecutive blocks of heads keep that pairing). Its bias (Qwen) goes with the
+  rows.
 - `wo` and `w2` by their input (columns): each rank's product is a partial sum, and one all-reduce
-  after each (a forward hook on `Attention` and `FeedForward`, so before Gemma's post-norms) adds them.
+  after each (a forward hook on `Attention` and `FeedForward`, so before Gemma's post-norms) adds
+  them.
 - `w1` and `w3` by their output (rows).
 - The embedding, the output head and every RMSNorm (Gemma's per-head q/k norms too) are replicated:
   the simplest choice; each rank computes the whole logits, so every rank samples the same token
   (same seed, same logits) and no token is sent around.
-int8 weights shard as floats do (per-output-channel scales go with the rows, and stay whole where the
+int8 weights shard as floats do (per-output-channel scales go with the rows, and stay whole where
+the
 input is cut); int4 weights keep a scale and zero per group of input channels, so cutting `wo` or
 `w2` by their input needs a group-aligned share per rank, or it is refused.
 
 Each rank's model gets a config with its own head counts and FFN width (`n_head`, `n_local_heads`,
-`intermediate_size` divided by N), and each Attention its own `n_head` and `n_local_heads`; the caches
+`intermediate_size` divided by N), and each Attention its own `n_head` and `n_local_heads`; the
+caches
 are built from them, so every cache (full, SpeCache with each rank's fetches on its own tier, KIVI,
 StreamingLLM, H2O, Gemma-3's sliding-window rings) holds the rank's KV heads only. Nothing in them
-mixes KV heads (H2O's scores and SpeCache's choices are per KV head), so a sharded run reads the same
+mixes KV heads (H2O's scores and SpeCache's choices are per KV head), so a sharded run reads the
+same
 pairs a single process would.
 
 Processes: torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) says who
-is who; gloo joins CPU ranks, NCCL CUDA ones (rank r on cuda:LOCAL_RANK). Every collective is bounded
+is who; gloo joins CPU ranks, NCCL CUDA ones (rank r on cuda:LOCAL_RANK). Every collective is
+bounded
 by the process group's timeout, so a rank that dies or stops answering ends the others' runs within
 it instead of hanging them (gloo notices a dead peer at once: its connection closes). Setting up
 (loading, sharding, the cache) ends in `agree`: every rank learns whether any failed, and all stop
 with the same error.
 """
+
 import os
 from dataclasses import replace
 from datetime import timedelta
@@ -68,16 +77,22 @@ def launched() -> bool:
 
 def join(device_name: str, timeout_s: float) -> torch.device:
     """Join the process group that torchrun's environment describes: gloo on CPUs, NCCL on CUDA GPUs
-    (this rank on cuda:LOCAL_RANK); every collective fails after `timeout_s` seconds without an answer.
+    (this rank on cuda:LOCAL_RANK); every collective fails after `timeout_s` seconds without an
+    answer.
     The rank's device."""
     local_rank = int(os.environ.get("LOCAL_RANK", rank()))
     if device_name not in ("auto", "cpu", "cuda"):
-        raise UserError(f"--device {device_name!r} under torchrun: use auto, cpu or cuda (each rank takes "
-                        "cuda:LOCAL_RANK)")
+        raise UserError(
+            f"--device {device_name!r} under torchrun: use auto, cpu or cuda (each rank takes "
+            "cuda:LOCAL_RANK)"
+        )
     cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
     if cuda and torch.cuda.device_count() <= local_rank:
-        raise UserError(f"rank {rank()} needs GPU {local_rank}, but this machine has {torch.cuda.device_count()}; "
-                        "start at most one process per GPU (--nproc_per_node)")
+        raise UserError(
+            f"rank {rank()} needs GPU {local_rank}, but this machine has "
+            f"{torch.cuda.device_count()}; "
+            "start at most one process per GPU (--nproc_per_node)"
+        )
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -98,7 +113,8 @@ def past_setup() -> bool:
 def agree(setup: Callable[[], T]) -> T:
     """`setup()` on every rank, then a check that all succeeded: if a UserError (or a disk tier's
     SlowTierError) stopped any, every rank raises the first failing rank's as a UserError, so that
-    rank 0 can report it (a rank that crashes instead makes the others' check fail, within the timeout)."""
+    rank 0 can report it (a rank that crashes instead makes the others' check fail, within the
+    timeout)."""
     global _set_up
     if not dist.is_initialized():
         return setup()
@@ -118,62 +134,92 @@ def agree(setup: Callable[[], T]) -> T:
 
 # --- sharding ------------------------------------------------------------------------------------
 
+
 def rank_share(t: Tensor, dim: int, sizes: list[int], r: int, ranks: int) -> Tensor:
-    """Of t's consecutive parts of `sizes` along `dim`, the r-th of `ranks` equal pieces of each, joined."""
+    """Of t's consecutive parts of `sizes` along `dim`, the r-th of `ranks` equal pieces of each,
+    joined."""
     return torch.cat([part.chunk(ranks, dim)[r] for part in t.split(sizes, dim)], dim)
 
 
 def shard_by_output(linear: nn.Module, sizes: list[int], r: int, ranks: int) -> None:
-    """Keep rank r's rows of each part (of `sizes` output channels) of a Linear, Int8Linear or Int4Linear:
+    """Keep rank r's rows of each part (of `sizes` output channels) of a Linear, Int8Linear or
+    Int4Linear:
     its weight, bias, and a quantized weight's scales and zeros (all are per output channel)."""
     for name in ("weight", "bias", "scales", "zeros"):
         t = getattr(linear, name, None)
         if t is None:
             continue
         shard = rank_share(t.detach(), 0, sizes, r, ranks)
-        setattr(linear, name, nn.Parameter(shard, t.requires_grad) if isinstance(t, nn.Parameter) else shard)
+        setattr(
+            linear,
+            name,
+            nn.Parameter(shard, t.requires_grad) if isinstance(t, nn.Parameter) else shard,
+        )
     linear.out_features //= ranks
 
 
 def shard_by_input(linear: nn.Module, r: int, ranks: int) -> None:
-    """Keep rank r's input columns of a Linear, Int8Linear or Int4Linear: its product becomes a partial
+    """Keep rank r's input columns of a Linear, Int8Linear or Int4Linear: its product becomes a
+    partial
     sum. int8 scales are per output channel and stay whole; int4 scales and zeros are per group of
     input channels, cut with them (`check_shares` has made sure the groups stay whole)."""
     if isinstance(linear, Int4Linear):
         linear.scales = linear.scales.chunk(ranks, 1)[r].contiguous()
         linear.zeros = linear.zeros.chunk(ranks, 1)[r].contiguous()
-    shard = linear.weight.detach().chunk(ranks, 1)[r].contiguous()  # int4: two codes a byte, columns stay even
-    linear.weight = nn.Parameter(shard, linear.weight.requires_grad) if isinstance(linear, Linear) else shard
+    # int4: two codes a byte, columns stay even
+    shard = linear.weight.detach().chunk(ranks, 1)[r].contiguous()
+    linear.weight = (
+        nn.Parameter(shard, linear.weight.requires_grad) if isinstance(linear, Linear) else shard
+    )
     linear.in_features //= ranks
 
 
 def check_shares(model: Transformer, ranks: int) -> None:
-    """ValueError, before anything is cut, unless `ranks` divides the KV heads (each rank holds whole
+    """ValueError, before anything is cut, unless `ranks` divides the KV heads (each rank holds
+    whole
     ones) and the FFN width, and each rank's share of wo's and w2's inputs is whole int4 groups; a
     Linear cut by its input must have no bias (each rank's partial sum would add it)."""
     c = model.config
     if any(isinstance(m, Int4Linear) and m.packed is not None for m in model.modules()):
-        raise ValueError("int4 weights are cut in their stored layout: shard the model before pack_int4")
+        raise ValueError(
+            "int4 weights are cut in their stored layout: shard the model before pack_int4"
+        )
     if c.n_local_heads % ranks:
         divisors = [d for d in range(1, c.n_local_heads + 1) if c.n_local_heads % d == 0]
-        raise ValueError(f"{ranks} ranks cannot share this model's {c.n_local_heads} KV heads: each rank holds whole "
-                         f"KV heads and their query heads; run with a world size of {', '.join(map(str, divisors))} "
-                         "(torchrun --nproc_per_node)")
+        raise ValueError(
+            f"{ranks} ranks cannot share this model's {c.n_local_heads} KV heads: each rank holds "
+            "whole "
+            f"KV heads and their query heads; run with a world size of "
+            f"{', '.join(map(str, divisors))} "
+            "(torchrun --nproc_per_node)"
+        )
     if c.intermediate_size % ranks:
-        raise ValueError(f"{ranks} ranks cannot share this model's FFN width of {c.intermediate_size}")
+        raise ValueError(
+            f"{ranks} ranks cannot share this model's FFN width of {c.intermediate_size}"
+        )
     for i, block in enumerate(model.layers):
-        for name, linear in (("attention.wo", block.attention.wo), ("feed_forward.w2", block.feed_forward.w2)):
+        for name, linear in (
+            ("attention.wo", block.attention.wo),
+            ("feed_forward.w2", block.feed_forward.w2),
+        ):
             share = linear.in_features // ranks
             if linear.bias is not None:
-                raise ValueError(f"layers.{i}.{name} has a bias, which each rank's partial sum would add")
+                raise ValueError(
+                    f"layers.{i}.{name} has a bias, which each rank's partial sum would add"
+                )
             if isinstance(linear, Int4Linear) and share % linear.groupsize:
-                raise ValueError(f"layers.{i}.{name}: {ranks} ranks would cut its {linear.in_features} int4 input "
-                                 f"channels into {share} per rank, not whole groups of {linear.groupsize}; use fewer "
-                                 "ranks or a checkpoint quantized with a group size that divides the share")
+                raise ValueError(
+                    f"layers.{i}.{name}: {ranks} ranks would cut its {linear.in_features} int4 "
+                    "input "
+                    f"channels into {share} per rank, not whole groups of {linear.groupsize}; use "
+                    "fewer "
+                    "ranks or a checkpoint quantized with a group size that divides the share"
+                )
 
 
 def shard_model(model: Transformer, r: int, ranks: int) -> None:
-    """Cut `model` down to rank r's share of `ranks` (see the module docstring), in place, its weights in
+    """Cut `model` down to rank r's share of `ranks` (see the module docstring), in place, its
+    weights in
     their stored layout (int4 before `pack_int4`); ValueError if it cannot be cut (`check_shares`).
     Without `all_reduce_partial_sums` its attentions and FFNs give partial sums."""
     check_shares(model, ranks)
@@ -187,14 +233,20 @@ def shard_model(model: Transformer, r: int, ranks: int) -> None:
         shard_by_output(ffn.w3, [c.intermediate_size], r, ranks)
         shard_by_input(ffn.w2, r, ranks)
         attention.n_head, attention.n_local_heads = c.n_head // ranks, c.n_local_heads // ranks
-    model.config = replace(c, n_head=c.n_head // ranks, n_local_heads=c.n_local_heads // ranks,
-                           intermediate_size=c.intermediate_size // ranks)
+    model.config = replace(
+        c,
+        n_head=c.n_head // ranks,
+        n_local_heads=c.n_local_heads // ranks,
+        intermediate_size=c.intermediate_size // ranks,
+    )
 
 
 def _sum_over_ranks(module: nn.Module, inputs, output: Tensor) -> Tensor:
-    if torch.compiler.is_compiling():  # a functional collective, which torch.compile traces into its graph
+    # a functional collective, which torch.compile traces into its graph
+    if torch.compiler.is_compiling():
         return funcol.all_reduce(output, "sum", dist.group.WORLD)
-    dist.all_reduce(output)  # eager: in place, about half the time of the functional one with gloo (0.8 ms, not 1.8)
+    # eager: in place, about half the time of the functional one with gloo (0.8 ms, not 1.8)
+    dist.all_reduce(output)
     return output
 
 
@@ -205,16 +257,22 @@ def all_reduce_partial_sums(model: Transformer) -> None:
         block.feed_forward.register_forward_hook(_sum_over_ranks)
 
 
-def load_model_shard(checkpoint_path: Path, device: torch.device, dtype: torch.dtype) -> Transformer:
-    """This rank's shard of a checkpoint (model.pth, model_int8.pth or model_int4.g<N>.pth), ready to
+def load_model_shard(
+    checkpoint_path: Path, device: torch.device, dtype: torch.dtype
+) -> Transformer:
+    """This rank's shard of a checkpoint (model.pth, model_int8.pth or model_int4.g<N>.pth), ready
+    to
     run with the other ranks: cut on the host before the model moves to its device (only the shard
     moves, and int4 codes are cut before they are packed)."""
-    model = load_model(checkpoint_path, device, dtype, shard=lambda model: shard_model(model, rank(), world_size()))
+    model = load_model(
+        checkpoint_path, device, dtype, shard=lambda model: shard_model(model, rank(), world_size())
+    )
     all_reduce_partial_sums(model)
     return model
 
 
 # --- what rank 0 reports -------------------------------------------------------------------------
+
 
 def _gathered(value: T) -> list[T]:
     every = [None] * dist.get_world_size()

@@ -19,6 +19,7 @@ the whole 16-bit K and V, are not used. `generate` below is SpeCache's two-row d
 specache.py; in this repository `caches.accelerate_specache()` lets the C and Triton kernels serve
 specache.py's ops (the tokens are the same either way).
 """
+
 from typing import Callable, Sequence
 
 import torch
@@ -28,15 +29,23 @@ from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedM
 from specache import SpeCache, SpeCacheConfig
 
 
-def specache_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                       attention_mask, scaling: float, dropout: float = 0.0, **kwargs):
+def specache_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+):
     """The attention function transformers calls per layer: the new rows q (B, H, S, D) and k, v
     (B, Hkv, S, D) after RoPE, to the layer's SpeCache; (B, S, H, D) back."""
     if "position_ids" not in kwargs:
         raise ValueError("SpeCache needs each row's position: call the model with position_ids")
     head_dim = query.shape[-1]
-    if scaling != head_dim ** -0.5:  # SpeCache scales scores by head_dim^-1/2: fold the rest into q
-        query = query * (scaling * head_dim ** 0.5)
+    if scaling != head_dim**-0.5:  # SpeCache scales scores by head_dim^-1/2: fold the rest into q
+        query = query * (scaling * head_dim**0.5)
     positions = kwargs["position_ids"].expand(query.shape[0], -1)
     return module.specache_layer(query, key, value, positions).transpose(1, 2), None
 
@@ -46,18 +55,33 @@ AttentionInterface.register("specache", specache_attention)
 AttentionMaskInterface.register("specache", lambda *args, **kwargs: None)
 
 
-def plug(model: PreTrainedModel, batch_size: int, max_seq_length: int,
-         config: SpeCacheConfig = SpeCacheConfig()) -> SpeCache:
+def plug(
+    model: PreTrainedModel,
+    batch_size: int,
+    max_seq_length: int,
+    config: SpeCacheConfig = SpeCacheConfig(),
+) -> SpeCache:
     """SpeCache in every decoder layer of `model`, for `batch_size` sequences of up to
     `max_seq_length` positions, and the model switched to it (back: set_attn_implementation)."""
     c = model.config
     sliding = getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True)
     if sliding or any(kind != "full_attention" for kind in getattr(c, "layer_types", None) or []):
-        raise ValueError("this adapter serves models whose layers all attend over the whole context")
+        raise ValueError(
+            "this adapter serves models whose layers all attend over the whole context"
+        )
     layers = model.get_decoder().layers
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    cache = SpeCache(config, len(layers), c.num_attention_heads, c.num_key_value_heads, head_dim,
-                     batch_size, max_seq_length, model.device, model.dtype)
+    cache = SpeCache(
+        config,
+        len(layers),
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        head_dim,
+        batch_size,
+        max_seq_length,
+        model.device,
+        model.dtype,
+    )
     for layer, specache_layer in zip(layers, cache.layers):
         layer.self_attn.specache_layer = specache_layer
     model.set_attn_implementation("specache")
@@ -69,12 +93,18 @@ def greedy(logits: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def generate(model: PreTrainedModel, cache: SpeCache, prompts: Sequence[Sequence[int]],
-             max_new_tokens: int, sample: Callable[[Tensor], Tensor] = greedy,
-             stop_ids: Sequence[int] = ()) -> list[list[int]]:
+def generate(
+    model: PreTrainedModel,
+    cache: SpeCache,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sample: Callable[[Tensor], Tensor] = greedy,
+    stop_ids: Sequence[int] = (),
+) -> list[list[int]]:
     """Up to `max_new_tokens` new tokens for each prompt (a ragged batch of at most the plugged
     batch size), each chosen by `sample` from the real row's logits (B, V), up to and including a
     stop id."""
+
     def forward(tokens: Tensor, positions: Tensor) -> Tensor:
         return model(input_ids=tokens, position_ids=positions, use_cache=False).logits
 

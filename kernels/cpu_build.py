@@ -1,11 +1,13 @@
 """Building the C kernels beside this file (lowbit_cpu.c, linear_cpu.c) at first use.
 
 Each is compiled with gcc -O3 -march=native -fopenmp into $XDG_CACHE_HOME/specache (or
-~/.cache/specache), named by a hash of the source and the headers beside it, the flags, `gcc --version` and the macros
+~/.cache/specache), named by a hash of the source and the headers beside it, the flags, `gcc
+--version` and the macros
 -march=native defines here (so that a shared home directory never loads another CPU's build), and
 published by an atomic rename, so that concurrent processes see no file or a whole one. The
 kernels' OpenMP threads come from the libgomp that torch has loaded already (one thread pool).
 """
+
 import ctypes
 import hashlib
 import os
@@ -17,18 +19,35 @@ from pathlib import Path
 from typing import Optional
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-PORTABLE_FLAGS = ("-O3", "-march=x86-64", "-fopenmp", "-shared", "-fPIC")  # what machines without AVX-512 build
+# what machines without AVX-512 build
+PORTABLE_FLAGS = (
+    "-O3",
+    "-march=x86-64",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+)
 
 
-def build(source: Path, flags: tuple[str, ...] = FLAGS, compiler: str = "gcc", libraries: tuple[str, ...] = ()) -> Path:
+def build(
+    source: Path,
+    flags: tuple[str, ...] = FLAGS,
+    compiler: str = "gcc",
+    libraries: tuple[str, ...] = (),
+) -> Path:
     """Compile `source` with `flags` (and link `libraries` flags) into the cache (once) and return
     the library's path."""
     gcc = shutil.which(compiler)
     if gcc is None:
         raise RuntimeError(f"{compiler} not found")
-    run = lambda *args: subprocess.run([gcc, *args], capture_output=True, text=True, check=True).stdout
-    target = run(*flags, "-dM", "-E", "-x", "c", os.devnull)  # the macros -march=native turns on here
-    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the sources may include
+
+    def run(*args):
+        return subprocess.run([gcc, *args], capture_output=True, text=True, check=True).stdout
+
+    # the macros -march=native turns on here
+    target = run(*flags, "-dM", "-E", "-x", "c", os.devnull)
+    # what the sources may include
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]
     parts = [source.read_text(), *headers, *flags, *libraries, run("--version"), target]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specache"
@@ -38,8 +57,12 @@ def build(source: Path, flags: tuple[str, ...] = FLAGS, compiler: str = "gcc", l
         fd, tmp = tempfile.mkstemp(dir=cache, prefix=path.stem, suffix=".tmp")
         os.close(fd)
         try:
-            subprocess.run([gcc, *flags, str(source), "-o", tmp, "-lm", *libraries], capture_output=True, text=True,
-                           check=True)
+            subprocess.run(
+                [gcc, *flags, str(source), "-o", tmp, "-lm", *libraries],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             os.replace(tmp, path)  # atomic: another process sees no file or a whole one
         except subprocess.CalledProcessError as error:
             raise RuntimeError(f"{compiler} failed:\n{error.stderr}") from error
@@ -59,8 +82,9 @@ def load(path: Path, function: str, problem: type[ctypes.Structure]) -> ctypes.C
     return lib
 
 
-def build_and_load(source: Path, function: str, problem: type[ctypes.Structure],
-                   unavailable: str) -> Optional[ctypes.CDLL]:
+def build_and_load(
+    source: Path, function: str, problem: type[ctypes.Structure], unavailable: str
+) -> Optional[ctypes.CDLL]:
     """The native build of `source`, loaded; None where it cannot be built, with one warning that
     says `unavailable` (what stands in for the kernel)."""
     try:
@@ -71,5 +95,6 @@ def build_and_load(source: Path, function: str, problem: type[ctypes.Structure],
 
 
 def enabled() -> bool:
-    """Whether the C kernels may run: SPECACHE_NO_CPU_KERNEL=1 keeps every kernel's reference path."""
+    """Whether the C kernels may run: SPECACHE_NO_CPU_KERNEL=1 keeps every kernel's reference
+    path."""
     return os.environ.get("SPECACHE_NO_CPU_KERNEL") != "1"

@@ -1,6 +1,7 @@
 """The C++ dispatch of the CPU kernels' most frequent ops (kernels/cpu_ops.cpp).
 
-A decode step calls `specache::quantized_linear` about 150 times and `specache::dense_decode_attention`
+A decode step calls `specache::quantized_linear` about 150 times and
+`specache::dense_decode_attention`
 once per layer. Their Python implementations (in kernels/linear_cpu.py and kernels/dense_cpu.py)
 check the inputs and call the C kernel through ctypes, some 12 us a call beyond the kernel; the C++
 implementations do the same in about 2. When a kernel's module has built its C library it calls
@@ -9,6 +10,7 @@ kernels/cpu_build.py caches the C kernels) and registers the C++ implementation 
 tensors, ahead of the Python one. Without g++, or when the build fails, the Python implementations
 serve (one warning); SPECACHE_NO_CPU_OPS=1 keeps them.
 """
+
 import ctypes
 import os
 import subprocess
@@ -26,12 +28,22 @@ SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 
 def build() -> Path:
     """Compile kernels/cpu_ops.cpp against this torch (once per torch build) and return its path."""
-    from torch.utils import cpp_extension  # the headers' location; imported here, only when building
+    # the headers' location; imported here, only when building
+    from torch.utils import (
+        cpp_extension,
+    )
 
     lib = Path(torch.__file__).parent / "lib"
-    flags = ("-O2", "-std=c++17", "-shared", "-fPIC", "-w",
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-             f"-DSPECACHE_TORCH_VERSION={torch.__version__}", *(f"-I{p}" for p in cpp_extension.include_paths()))
+    flags = (
+        "-O2",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        f"-DSPECACHE_TORCH_VERSION={torch.__version__}",
+        *(f"-I{p}" for p in cpp_extension.include_paths()),
+    )
     libraries = (f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}")
     return cpu_build.build(SOURCE, flags, compiler="g++", libraries=libraries)
 
@@ -44,7 +56,9 @@ def _loaded() -> bool:
         torch.ops.load_library(str(build()))
         return True
     except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
-        warnings.warn(f"specache: the C++ dispatch of the CPU kernels is unavailable, Python serves ({error})")
+        warnings.warn(
+            f"specache: the C++ dispatch of the CPU kernels is unavailable, Python serves ({error})"
+        )
         return False
 
 

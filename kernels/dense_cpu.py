@@ -26,6 +26,7 @@ one C call replaces 3 to 6 small matmuls (MKL: several microseconds each) and th
 them. `register_merge()` registers it for CPU tensors (up to 64 rows and head_dim 256; the reference
 takes larger ones).
 """
+
 import ctypes
 import warnings
 from functools import lru_cache, partial
@@ -46,6 +47,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 def _check(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> None:
     """Raise ValueError unless the inputs have the layout in the module docstring."""
+
     def fail(message: str):
         raise ValueError(f"dense_decode_attention: {message}")
 
@@ -53,30 +55,43 @@ def _check(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> None:
         fail(f"q must be (B, H, S, D) float32, got {tuple(q.shape)} {q.dtype}")
     b, h, s, d = q.shape
     if k.dim() != 4 or k.shape[0] != b or k.shape[3] != d or k.dtype not in DTYPES:
-        fail(f"k must be ({b}, Hkv, T, {d}) float32, bfloat16 or float16, got {tuple(k.shape)} {k.dtype}")
+        fail(
+            f"k must be ({b}, Hkv, T, {d}) float32, bfloat16 or float16, got {tuple(k.shape)} "
+            f"{k.dtype}"
+        )
     if v.shape != k.shape or v.dtype != k.dtype:
-        fail(f"v must be shaped and typed like k {tuple(k.shape)} {k.dtype}, got {tuple(v.shape)} {v.dtype}")
+        fail(
+            f"v must be shaped and typed like k {tuple(k.shape)} {k.dtype}, got {tuple(v.shape)} "
+            f"{v.dtype}"
+        )
     if h % k.shape[1] or h // k.shape[1] * s > MAX_ROWS or not 1 <= d <= MAX_HEAD_DIM:
-        fail(f"need H a multiple of Hkv, (H / Hkv) x S <= {MAX_ROWS} and D <= {MAX_HEAD_DIM}; got H={h}, "
-             f"Hkv={k.shape[1]}, S={s}, D={d}")
+        fail(
+            f"need H a multiple of Hkv, (H / Hkv) x S <= {MAX_ROWS} and D <= {MAX_HEAD_DIM}; got "
+            f"H={h}, "
+            f"Hkv={k.shape[1]}, S={s}, D={d}"
+        )
     if input_pos.shape != (b, s) or input_pos.dtype != torch.int64:
         fail(f"input_pos must be ({b}, {s}) int64, got {tuple(input_pos.shape)} {input_pos.dtype}")
     if any(x.device != q.device for x in (k, v, input_pos)):
         fail("all tensors must be on one device")
 
 
-def dense_decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor,
-                                     scale: Optional[float] = None) -> Tensor:
+def dense_decode_attention_reference(
+    q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, scale: Optional[float] = None
+) -> Tensor:
     """The module docstring's definition: SDPA over the cache, masked to each row's position."""
     _check(q, k, v, input_pos)
-    visible = torch.arange(k.shape[2], device=q.device) <= input_pos[:, None, :, None]  # (B, 1, S, T)
-    out = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=visible, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    # (B, 1, S, T)
+    visible = torch.arange(k.shape[2], device=q.device) <= input_pos[:, None, :, None]
+    out = F.scaled_dot_product_attention(
+        q, k.float(), v.float(), attn_mask=visible, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
     return torch.where(visible.any(-1, keepdim=True), out, 0.0)
 
 
 class _Problem(ctypes.Structure):
     """The C file's Problem struct, field for field."""
+
     _fields_ = [(name, ctypes.c_void_p) for name in ("q", "k", "v", "input_pos", "out")]
     _fields_ += [(name, ctypes.c_int64) for name in ("batch", "heads", "kv_heads", "s", "d", "t")]
     _fields_ += [("scale", ctypes.c_float), ("dtype", ctypes.c_int32), ("threads", ctypes.c_int32)]
@@ -84,12 +99,17 @@ class _Problem(ctypes.Structure):
 
 class _MergeProblem(ctypes.Structure):
     """The C file's MergeProblem struct, field for field."""
+
     _fields_ = [(name, ctypes.c_void_p) for name in ("rows", "row_max", "row_sum", "lowbit_out")]
     _fields_ += [("k", ctypes.c_void_p * 3), ("v", ctypes.c_void_p * 3)]
     _fields_ += [("k_stride", ctypes.c_int64 * 3 * 3), ("v_stride", ctypes.c_int64 * 3 * 3)]
-    _fields_ += [(name, ctypes.c_void_p) for name in ("fetched_valid", "window_len", "out", "lowbit_scale")]
+    _fields_ += [
+        (name, ctypes.c_void_p) for name in ("fetched_valid", "window_len", "out", "lowbit_scale")
+    ]
     _fields_ += [("p", ctypes.c_void_p * 3)]
-    _fields_ += [(name, ctypes.c_int64) for name in ("batch", "kv_heads", "m", "d")] + [("n", ctypes.c_int64 * 3)]
+    _fields_ += [(name, ctypes.c_int64) for name in ("batch", "kv_heads", "m", "d")] + [
+        ("n", ctypes.c_int64 * 3)
+    ]
     _fields_ += [("dtype", ctypes.c_int32 * 3), ("threads", ctypes.c_int32)]
 
 
@@ -109,21 +129,32 @@ def _library() -> Optional[ctypes.CDLL]:
     try:
         lib = load(build())
     except (RuntimeError, OSError) as error:
-        warnings.warn("specache: the CPU dense decode-attention kernel is unavailable, SDPA, FlexAttention and the "
-                      f"plain merge of SpeCache's segments serve ({error})")
+        warnings.warn(
+            "specache: the CPU dense decode-attention kernel is unavailable, SDPA, FlexAttention "
+            "and the "
+            f"plain merge of SpeCache's segments serve ({error})"
+        )
         return None
-    cpu_ops.hand_over("dense_decode_attention", lib.dense_decode_attention)  # C++ dispatch where it builds
+    # C++ dispatch where it builds
+    cpu_ops.hand_over("dense_decode_attention", lib.dense_decode_attention)
     return lib
 
 
 @torch.compiler.assume_constant_result
 def available() -> bool:
-    """Whether the C kernel can run (builds it on first call). Under torch.compile, read once at tracing."""
+    """Whether the C kernel can run (builds it on first call). Under torch.compile, read once at
+    tracing."""
     return cpu_build.enabled() and _library() is not None
 
 
-def run_kernel(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor,
-               scale: Optional[float] = None) -> Tensor:
+def run_kernel(
+    lib: ctypes.CDLL,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    input_pos: Tensor,
+    scale: Optional[float] = None,
+) -> Tensor:
     """Call the C kernel of `lib` (a `load`ed build) on CPU tensors."""
     _check(q, k, v, input_pos)
     if q.device.type != "cpu":
@@ -131,8 +162,19 @@ def run_kernel(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, input_pos: Ten
     inputs = [x.contiguous() for x in (q, k, v, input_pos)]
     out = torch.empty_like(inputs[0])
     b, h, s, d = q.shape
-    problem = _Problem(*(x.data_ptr() for x in inputs), out.data_ptr(), b, h, k.shape[1], s, d, k.shape[2],
-                       d ** -0.5 if scale is None else scale, DTYPES[k.dtype], torch.get_num_threads())
+    problem = _Problem(
+        *(x.data_ptr() for x in inputs),
+        out.data_ptr(),
+        b,
+        h,
+        k.shape[1],
+        s,
+        d,
+        k.shape[2],
+        d**-0.5 if scale is None else scale,
+        DTYPES[k.dtype],
+        torch.get_num_threads(),
+    )
     if lib.dense_decode_attention(ctypes.byref(problem)) != 0:
         raise RuntimeError("dense_cpu.c rejected a problem that passed the checks")
     return out
@@ -145,10 +187,14 @@ def _op(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, scale: Optional[floa
     return run_kernel(lib, q, k, v, input_pos, scale)
 
 
-# torch.library.Library rather than custom_op: its wrapper costs 13 us more per call (one per layer and step)
+# torch.library.Library rather than custom_op: its wrapper costs 13 us more per call (one per layer
+# and step)
 _LIBRARY = torch.library.Library("specache", "FRAGMENT")
-_LIBRARY.define("dense_decode_attention(Tensor q, Tensor k, Tensor v, Tensor input_pos, float? scale) -> Tensor")
-_LIBRARY.impl("dense_decode_attention", _op, "CompositeExplicitAutograd")  # kernels/cpu_ops.cpp overrides it for CPU
+_LIBRARY.define(
+    "dense_decode_attention(Tensor q, Tensor k, Tensor v, Tensor input_pos, float? scale) -> Tensor"
+)
+# kernels/cpu_ops.cpp overrides it for CPU
+_LIBRARY.impl("dense_decode_attention", _op, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("specache::dense_decode_attention")
@@ -161,12 +207,18 @@ def takes(q: Tensor, k: Tensor) -> bool:
     """Whether the C kernel runs queries q (B, H, S, D) over a cache k: CPU tensors of a shape it
     handles (decode: S a few rows), the kernel built."""
     rows = q.shape[1] // k.shape[1] * q.shape[2]
-    return (q.device.type == "cpu" and rows <= MAX_ROWS and q.shape[-1] <= MAX_HEAD_DIM and k.dtype in DTYPES
-            and available())
+    return (
+        q.device.type == "cpu"
+        and rows <= MAX_ROWS
+        and q.shape[-1] <= MAX_HEAD_DIM
+        and k.dtype in DTYPES
+        and available()
+    )
 
 
-def dense_decode_attention(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor,
-                           scale: Optional[float] = None) -> Tensor:
+def dense_decode_attention(
+    q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, scale: Optional[float] = None
+) -> Tensor:
     """(B, H, S, D) float32, as in the module docstring (scale: default D**-0.5): the C kernel for
     CPU tensors when it is available, else the reference."""
     if q.device.type == "cpu" and available():
@@ -181,9 +233,17 @@ def dense_decode_attention(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor,
 MergeOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-def _check_merge(rows: Tensor, row_max: Tensor, row_sum: Tensor, lowbit_out: Tensor,
-                 segments: list[tuple[Tensor, Tensor]], fetched_valid: Tensor, window_len: Tensor) -> None:
+def _check_merge(
+    rows: Tensor,
+    row_max: Tensor,
+    row_sum: Tensor,
+    lowbit_out: Tensor,
+    segments: list[tuple[Tensor, Tensor]],
+    fetched_valid: Tensor,
+    window_len: Tensor,
+) -> None:
     """Raise ValueError unless the inputs have the layout in the module docstring."""
+
     def fail(message: str):
         raise ValueError(f"merge_segments: {message}")
 
@@ -192,51 +252,105 @@ def _check_merge(rows: Tensor, row_max: Tensor, row_sum: Tensor, lowbit_out: Ten
     b, h, m, d = rows.shape
     if not (1 <= m <= MAX_ROWS and 1 <= d <= MAX_HEAD_DIM):
         fail(f"need 1 <= M <= {MAX_ROWS} and 1 <= D <= {MAX_HEAD_DIM}, got M = {m}, D = {d}")
-    for name, x, shape in (("row_max", row_max, (b, h, m)), ("row_sum", row_sum, (b, h, m)),
-                           ("lowbit_out", lowbit_out, (b, h, m, d))):
+    for name, x, shape in (
+        ("row_max", row_max, (b, h, m)),
+        ("row_sum", row_sum, (b, h, m)),
+        ("lowbit_out", lowbit_out, (b, h, m, d)),
+    ):
         if x.shape != shape or x.dtype != torch.float32:
             fail(f"{name} must be {shape} float32, got {tuple(x.shape)} {x.dtype}")
     for name, (k, v) in zip(("fetched", "window", "new"), segments):
-        if k.dim() != 4 or k.shape[:2] != (b, h) or k.shape[3] != d or k.dtype not in DTYPES or v.shape != k.shape \
-                or v.dtype != k.dtype:
-            fail(f"{name}_k and {name}_v must be ({b}, {h}, N, {d}) float32, bfloat16 or float16 alike, got "
-                 f"{tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
+        if (
+            k.dim() != 4
+            or k.shape[:2] != (b, h)
+            or k.shape[3] != d
+            or k.dtype not in DTYPES
+            or v.shape != k.shape
+            or v.dtype != k.dtype
+        ):
+            fail(
+                f"{name}_k and {name}_v must be ({b}, {h}, N, {d}) float32, bfloat16 or float16 "
+                "alike, got "
+                f"{tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}"
+            )
     s = segments[2][0].shape[2]
     if s < 1 or m % s:
         fail(f"need S >= 1 new pairs and M = {m} a multiple of S = {s}")
     if fetched_valid.shape != (b, h, segments[0][0].shape[2]) or fetched_valid.dtype != torch.bool:
-        fail(f"fetched_valid must be ({b}, {h}, {segments[0][0].shape[2]}) bool, got {tuple(fetched_valid.shape)} "
-             f"{fetched_valid.dtype}")
+        fail(
+            f"fetched_valid must be ({b}, {h}, {segments[0][0].shape[2]}) bool, got "
+            f"{tuple(fetched_valid.shape)} "
+            f"{fetched_valid.dtype}"
+        )
     if window_len.shape != (b,) or window_len.dtype != torch.int64:
         fail(f"window_len must be ({b},) int64, got {tuple(window_len.shape)} {window_len.dtype}")
-    if any(x.device != rows.device for x in (row_max, row_sum, lowbit_out, fetched_valid, window_len, *segments[0],
-                                               *segments[1], *segments[2])):
+    if any(
+        x.device != rows.device
+        for x in (
+            row_max,
+            row_sum,
+            lowbit_out,
+            fetched_valid,
+            window_len,
+            *segments[0],
+            *segments[1],
+            *segments[2],
+        )
+    ):
         fail("all tensors must be on one device")
 
 
-def run_merge_kernel(lib: ctypes.CDLL, rows: Tensor, row_max: Tensor, row_sum: Tensor, lowbit_out: Tensor,
-                     fetched_k: Tensor, fetched_v: Tensor, fetched_valid: Tensor, window_k: Tensor, window_v: Tensor,
-                     window_len: Tensor, new_k: Tensor, new_v: Tensor) -> MergeOutputs:
+def run_merge_kernel(
+    lib: ctypes.CDLL,
+    rows: Tensor,
+    row_max: Tensor,
+    row_sum: Tensor,
+    lowbit_out: Tensor,
+    fetched_k: Tensor,
+    fetched_v: Tensor,
+    fetched_valid: Tensor,
+    window_k: Tensor,
+    window_v: Tensor,
+    window_len: Tensor,
+    new_k: Tensor,
+    new_v: Tensor,
+) -> MergeOutputs:
     """Call the merge in `lib` (a `load`ed build) on CPU tensors."""
     segments = [(fetched_k, fetched_v), (window_k, window_v), (new_k, new_v)]
     _check_merge(rows, row_max, row_sum, lowbit_out, segments, fetched_valid, window_len)
     if rows.device.type != "cpu":
         raise ValueError(f"merge_segments: the C kernel takes CPU tensors, got {rows.device}")
     b, h, m, d = rows.shape
-    segments = [tuple(x if x.stride(-1) == 1 else x.contiguous() for x in pair) for pair in segments]
+    segments = [
+        tuple(x if x.stride(-1) == 1 else x.contiguous() for x in pair) for pair in segments
+    ]
     rows, row_max, row_sum, lowbit_out, valid, window_len = (
-        x.contiguous() for x in (rows, row_max, row_sum, lowbit_out, fetched_valid, window_len))
+        x.contiguous() for x in (rows, row_max, row_sum, lowbit_out, fetched_valid, window_len)
+    )
     out, lowbit_scale = torch.empty_like(rows), rows.new_empty(b, h, m, 1)
     probs = [rows.new_empty(b, h, m, k.shape[2]) for k, _ in segments]
-    problem = _MergeProblem(rows.data_ptr(), row_max.data_ptr(), row_sum.data_ptr(), lowbit_out.data_ptr(),
-                            (ctypes.c_void_p * 3)(*(k.data_ptr() for k, _ in segments)),
-                            (ctypes.c_void_p * 3)(*(v.data_ptr() for _, v in segments)),
-                            (ctypes.c_int64 * 3 * 3)(*((ctypes.c_int64 * 3)(*k.stride()[:3]) for k, _ in segments)),
-                            (ctypes.c_int64 * 3 * 3)(*((ctypes.c_int64 * 3)(*v.stride()[:3]) for _, v in segments)),
-                            valid.data_ptr(), window_len.data_ptr(), out.data_ptr(), lowbit_scale.data_ptr(),
-                            (ctypes.c_void_p * 3)(*(p.data_ptr() for p in probs)), b, h, m, d,
-                            (ctypes.c_int64 * 3)(*(k.shape[2] for k, _ in segments)),
-                            (ctypes.c_int32 * 3)(*(DTYPES[k.dtype] for k, _ in segments)), torch.get_num_threads())
+    problem = _MergeProblem(
+        rows.data_ptr(),
+        row_max.data_ptr(),
+        row_sum.data_ptr(),
+        lowbit_out.data_ptr(),
+        (ctypes.c_void_p * 3)(*(k.data_ptr() for k, _ in segments)),
+        (ctypes.c_void_p * 3)(*(v.data_ptr() for _, v in segments)),
+        (ctypes.c_int64 * 3 * 3)(*((ctypes.c_int64 * 3)(*k.stride()[:3]) for k, _ in segments)),
+        (ctypes.c_int64 * 3 * 3)(*((ctypes.c_int64 * 3)(*v.stride()[:3]) for _, v in segments)),
+        valid.data_ptr(),
+        window_len.data_ptr(),
+        out.data_ptr(),
+        lowbit_scale.data_ptr(),
+        (ctypes.c_void_p * 3)(*(p.data_ptr() for p in probs)),
+        b,
+        h,
+        m,
+        d,
+        (ctypes.c_int64 * 3)(*(k.shape[2] for k, _ in segments)),
+        (ctypes.c_int32 * 3)(*(DTYPES[k.dtype] for k, _ in segments)),
+        torch.get_num_threads(),
+    )
     if lib.merge_segments(ctypes.byref(problem)) != 0:
         raise RuntimeError("dense_cpu.c rejected a merge that passed the checks")
     return out, lowbit_scale, *probs
@@ -258,6 +372,8 @@ def register_merge() -> bool:
     lib = _library() if cpu_build.enabled() else None
     if lib is None:
         return False
-    if not cpu_ops.hand_over("merge_segments", lib.merge_segments, specache.merge_segments_reference):
+    if not cpu_ops.hand_over(
+        "merge_segments", lib.merge_segments, specache.merge_segments_reference
+    ):
         torch.library.register_kernel("specache::merge_segments", "cpu", partial(_serve_merge, lib))
     return True

@@ -1,6 +1,7 @@
 """A few float rows times int8 or int4 weights on CPUs: a C kernel and its plain-PyTorch reference.
 
-    quantized_linear(x, codes, scales, zeros=None, group=0) -> x @ W.T    (x (M, K) float32, M <= 16)
+    quantized_linear(x, codes, scales, zeros=None, group=0) -> x @ W.T    (x (M, K) float32, M <=
+    16)
 
 The weights are quantize.py's layouts:
 - int8 (`group` 0): codes (N, K) int8, scales (N,): W[n, k] = codes[n, k] * scales[n];
@@ -18,6 +19,7 @@ call under torch.compile, dispatched in C++ where kernels/cpu_ops.cpp builds, bu
 False (with one warning) and the quantized Linears keep their other paths. SPECACHE_NO_CPU_KERNEL=1
 forces that. Results do not depend on the thread count. Inference only: no autograd formula.
 """
+
 import ctypes
 from functools import lru_cache
 from pathlib import Path
@@ -39,6 +41,7 @@ def unpack_int4(codes: Tensor, in_features: int) -> Tensor:
 
 def _check(x: Tensor, codes: Tensor, scales: Tensor, zeros: Optional[Tensor], group: int) -> None:
     """Raise ValueError unless the inputs have the layout in the module docstring."""
+
     def fail(message: str):
         raise ValueError(f"quantized_linear: {message}")
 
@@ -49,7 +52,10 @@ def _check(x: Tensor, codes: Tensor, scales: Tensor, zeros: Optional[Tensor], gr
         if codes.dim() != 2 or codes.dtype != torch.int8 or codes.shape[1] != k:
             fail(f"int8 codes must be (N, {k}) int8, got {tuple(codes.shape)} {codes.dtype}")
         if scales.shape != (codes.shape[0],) or scales.dtype != torch.float32:
-            fail(f"int8 scales must be ({codes.shape[0]},) float32, got {tuple(scales.shape)} {scales.dtype}")
+            fail(
+                f"int8 scales must be ({codes.shape[0]},) float32, got {tuple(scales.shape)} "
+                f"{scales.dtype}"
+            )
         return
     if group < 2 or group % 2 or k % group:
         fail(f"the int4 group must be even and divide K = {k}, got {group}")
@@ -58,12 +64,15 @@ def _check(x: Tensor, codes: Tensor, scales: Tensor, zeros: Optional[Tensor], gr
     shape = (codes.shape[0], k // group)
     for name, t in (("scales", scales), ("zeros", zeros)):
         if t is None or t.shape != shape or t.dtype != torch.float32:
-            fail(f"int4 {name} must be {shape} float32, got "
-                 f"{None if t is None else (tuple(t.shape), t.dtype)}")
+            fail(
+                f"int4 {name} must be {shape} float32, got "
+                f"{None if t is None else (tuple(t.shape), t.dtype)}"
+            )
 
 
-def quantized_linear_reference(x: Tensor, codes: Tensor, scales: Tensor, zeros: Optional[Tensor] = None,
-                               group: int = 0) -> Tensor:
+def quantized_linear_reference(
+    x: Tensor, codes: Tensor, scales: Tensor, zeros: Optional[Tensor] = None, group: int = 0
+) -> Tensor:
     """The module docstring's definition: dequantize W, then x @ W.T."""
     _check(x, codes, scales, zeros, group)
     if group == 0:
@@ -77,6 +86,7 @@ def quantized_linear_reference(x: Tensor, codes: Tensor, scales: Tensor, zeros: 
 
 class _Problem(ctypes.Structure):
     """The C file's Problem struct, field for field."""
+
     _fields_ = [(name, ctypes.c_void_p) for name in ("x", "w", "scales", "zeros", "y")]
     _fields_ += [(name, ctypes.c_int64) for name in ("m", "n", "k")]
     _fields_ += [(name, ctypes.c_int32) for name in ("group", "threads")]
@@ -92,8 +102,12 @@ def load(path: Path) -> ctypes.CDLL:
 
 @lru_cache(maxsize=None)
 def _library() -> Optional[ctypes.CDLL]:
-    lib = cpu_build.build_and_load(SOURCE, "quantized_linear", _Problem,
-                                   "the CPU quantized-Linear kernel is unavailable, torch's paths serve")
+    lib = cpu_build.build_and_load(
+        SOURCE,
+        "quantized_linear",
+        _Problem,
+        "the CPU quantized-Linear kernel is unavailable, torch's paths serve",
+    )
     if lib is not None:
         cpu_ops.hand_over("quantized_linear", lib.quantized_linear)  # C++ dispatch where it builds
     return lib
@@ -101,20 +115,34 @@ def _library() -> Optional[ctypes.CDLL]:
 
 @torch.compiler.assume_constant_result
 def available() -> bool:
-    """Whether the C kernel can run (builds it on first call). Under torch.compile, read once at tracing."""
+    """Whether the C kernel can run (builds it on first call). Under torch.compile, read once at
+    tracing."""
     return cpu_build.enabled() and _library() is not None
 
 
-def run_kernel(lib: ctypes.CDLL, x: Tensor, codes: Tensor, scales: Tensor, zeros: Optional[Tensor] = None,
-               group: int = 0) -> Tensor:
+def run_kernel(
+    lib: ctypes.CDLL,
+    x: Tensor,
+    codes: Tensor,
+    scales: Tensor,
+    zeros: Optional[Tensor] = None,
+    group: int = 0,
+) -> Tensor:
     """Call the C kernel of `lib` (a `load`ed build) on CPU tensors."""
     _check(x, codes, scales, zeros, group)
     if x.device.type != "cpu":
         raise ValueError(f"quantized_linear: the C kernel takes CPU tensors, got {x.device}")
     inputs = [t.contiguous() for t in (x, codes, scales, scales if zeros is None else zeros)]
     y = x.new_empty(x.shape[0], codes.shape[0])
-    problem = _Problem(*(t.data_ptr() for t in inputs), y.data_ptr(), x.shape[0], codes.shape[0], x.shape[1],
-                       group, torch.get_num_threads())
+    problem = _Problem(
+        *(t.data_ptr() for t in inputs),
+        y.data_ptr(),
+        x.shape[0],
+        codes.shape[0],
+        x.shape[1],
+        group,
+        torch.get_num_threads(),
+    )
     if lib.quantized_linear(ctypes.byref(problem)) != 0:
         raise RuntimeError("linear_cpu.c rejected a problem that passed the checks")
     return y
@@ -130,8 +158,11 @@ def _op(x: Tensor, codes: Tensor, scales: Tensor, zeros: Optional[Tensor], group
 # Defined with torch.library.Library rather than torch.library.custom_op: a decode step makes
 # about 150 of these calls, and custom_op's wrapper costs 13 us more per call (measured here).
 _LIBRARY = torch.library.Library("specache", "FRAGMENT")
-_LIBRARY.define("quantized_linear(Tensor x, Tensor codes, Tensor scales, Tensor? zeros, int group) -> Tensor")
-_LIBRARY.impl("quantized_linear", _op, "CompositeExplicitAutograd")  # kernels/cpu_ops.cpp overrides it for CPU
+_LIBRARY.define(
+    "quantized_linear(Tensor x, Tensor codes, Tensor scales, Tensor? zeros, int group) -> Tensor"
+)
+# kernels/cpu_ops.cpp overrides it for CPU
+_LIBRARY.impl("quantized_linear", _op, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("specache::quantized_linear")
@@ -140,8 +171,9 @@ def _(x, codes, scales, zeros, group):
     return x.new_empty(x.shape[0], codes.shape[0])
 
 
-def quantized_linear(x: Tensor, codes: Tensor, scales: Tensor, zeros: Optional[Tensor] = None,
-                     group: int = 0) -> Tensor:
+def quantized_linear(
+    x: Tensor, codes: Tensor, scales: Tensor, zeros: Optional[Tensor] = None, group: int = 0
+) -> Tensor:
     """x @ W.T (M, N) float32, as in the module docstring: the C kernel for CPU tensors when it is
     available, else the reference."""
     if x.device.type == "cpu" and available():

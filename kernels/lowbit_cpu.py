@@ -24,6 +24,7 @@ dispatched in C++ (kernels/cpu_ops.cpp) where that builds, else through ctypes. 
 the build fails, it returns False (with one warning) and the reference serves;
 SPECACHE_NO_CPU_KERNEL=1 forces that. `run_kernel(load(build(flags)), ...)` runs a given build.
 """
+
 import ctypes
 from functools import lru_cache, partial
 from pathlib import Path
@@ -41,9 +42,11 @@ MAX_HEAD_DIM = 256  # the C file's MAX_D
 Outputs = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
-def _check(rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor,
-           excluded_valid: Tensor) -> None:
+def _check(
+    rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor, excluded_valid: Tensor
+) -> None:
     """Raise ValueError unless the inputs have the op's layout and a shape the C kernel takes."""
+
     def fail(message: str):
         raise ValueError(f"lowbit_partial_attention: {message}")
 
@@ -57,27 +60,47 @@ def _check(rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor
     if d % 16 or not 16 <= d <= MAX_HEAD_DIM:
         fail(f"head_dim must be a multiple of 16 in [16, {MAX_HEAD_DIM}], got {d}")
     if kv.group <= 0 or kv.group % 8 or d % value_group(kv.group, d):
-        fail(f"group must be a positive multiple of 8 that makes whole value groups of head_dim {d}, got {kv.group}")
+        fail(
+            f"group must be a positive multiple of 8 that makes whole value groups of head_dim "
+            f"{d}, got {kv.group}"
+        )
     if kv.k_packed.dim() != 4 or kv.k_packed.shape[2] == 0:
         fail(f"k_packed must be (B, Hkv, T > 0, D*bits/8), got {tuple(kv.k_packed.shape)}")
     if kv.k_scale.dtype not in SCALE_DTYPES:
         fail(f"scales must be float16 or bfloat16, got {kv.k_scale.dtype}")
     t, nbytes, groups = kv.k_packed.shape[2], d * kv.bits // 8, -(-kv.k_packed.shape[2] // kv.group)
     value_groups = d // value_group(kv.group, d)
-    expected = ((kv.k_packed, (b, h, t, nbytes), torch.uint8), (kv.k_scale, (b, h, groups, d), kv.k_scale.dtype),
-                (kv.k_zero, (b, h, groups, d), kv.k_scale.dtype), (kv.v_packed, (b, h, t, nbytes), torch.uint8),
-                (kv.v_scale, (b, h, t, value_groups), kv.k_scale.dtype),
-                (kv.v_zero, (b, h, t, value_groups), kv.k_scale.dtype))
-    for name, (x, shape, dtype) in zip(("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero"), expected):
+    expected = (
+        (kv.k_packed, (b, h, t, nbytes), torch.uint8),
+        (kv.k_scale, (b, h, groups, d), kv.k_scale.dtype),
+        (kv.k_zero, (b, h, groups, d), kv.k_scale.dtype),
+        (kv.v_packed, (b, h, t, nbytes), torch.uint8),
+        (kv.v_scale, (b, h, t, value_groups), kv.k_scale.dtype),
+        (kv.v_zero, (b, h, t, value_groups), kv.k_scale.dtype),
+    )
+    for name, (x, shape, dtype) in zip(
+        ("k_packed", "k_scale", "k_zero", "v_packed", "v_scale", "v_zero"), expected
+    ):
         if x.shape != shape or x.dtype != dtype:
             fail(f"kv.{name} must be {shape} {dtype}, got {tuple(x.shape)} {x.dtype}")
     if visible_len.shape != (b,) or visible_len.dtype != torch.int64:
-        fail(f"visible_len must be ({b},) int64, got {tuple(visible_len.shape)} {visible_len.dtype}")
-    if excluded_pos.dim() != 3 or excluded_pos.shape[:2] != (b, h) or excluded_pos.dtype != torch.int64:
-        fail(f"excluded_pos must be ({b}, {h}, K) int64, got {tuple(excluded_pos.shape)} {excluded_pos.dtype}")
+        fail(
+            f"visible_len must be ({b},) int64, got {tuple(visible_len.shape)} {visible_len.dtype}"
+        )
+    if (
+        excluded_pos.dim() != 3
+        or excluded_pos.shape[:2] != (b, h)
+        or excluded_pos.dtype != torch.int64
+    ):
+        fail(
+            f"excluded_pos must be ({b}, {h}, K) int64, got {tuple(excluded_pos.shape)} "
+            f"{excluded_pos.dtype}"
+        )
     if excluded_valid.shape != excluded_pos.shape or excluded_valid.dtype != torch.bool:
-        fail(f"excluded_valid must be bool shaped like excluded_pos, "
-             f"got {tuple(excluded_valid.shape)} {excluded_valid.dtype}")
+        fail(
+            f"excluded_valid must be bool shaped like excluded_pos, "
+            f"got {tuple(excluded_valid.shape)} {excluded_valid.dtype}"
+        )
     device = rows.device
     if any(x.device != device for x in (*kv[:6], visible_len, excluded_pos, excluded_valid)):
         fail("all tensors must be on one device")
@@ -87,17 +110,38 @@ def _check(rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor
 # Building and loading the C kernel
 # ---------------------------------------------------------------------------------------------
 
+
 class _Problem(ctypes.Structure):
     """The C file's Problem struct, field for field."""
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("rows", "k_packed", "v_packed", "k_scale", "k_zero", "v_scale", "v_zero", "visible_len",
-                 "excluded_pos", "excluded_valid", "weights", "row_max", "row_sum", "out")]
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in (
+            "rows",
+            "k_packed",
+            "v_packed",
+            "k_scale",
+            "k_zero",
+            "v_scale",
+            "v_zero",
+            "visible_len",
+            "excluded_pos",
+            "excluded_valid",
+            "weights",
+            "row_max",
+            "row_sum",
+            "out",
+        )
+    ]
     _fields_ += [(name, ctypes.c_int64) for name in ("batch", "heads", "m", "d", "t", "k")]
-    _fields_ += [(name, ctypes.c_int32) for name in ("bits", "group", "value_groups", "bf16", "threads")]
+    _fields_ += [
+        (name, ctypes.c_int32) for name in ("bits", "group", "value_groups", "bf16", "threads")
+    ]
 
 
 def build(flags: tuple[str, ...] = FLAGS) -> Path:
-    """Compile kernels/lowbit_cpu.c with `flags` into the cache (once) and return the library's path."""
+    """Compile kernels/lowbit_cpu.c with `flags` into the cache (once) and return the library's
+    path."""
     return cpu_build.build(SOURCE, flags)
 
 
@@ -105,19 +149,57 @@ def load(path: Path) -> ctypes.CDLL:
     return cpu_build.load(path, "lowbit_partial_attention", _Problem)
 
 
-def run_kernel(lib: ctypes.CDLL, rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor,
-               excluded_valid: Tensor) -> Outputs:
+def run_kernel(
+    lib: ctypes.CDLL,
+    rows: Tensor,
+    kv: LowBitKV,
+    visible_len: Tensor,
+    excluded_pos: Tensor,
+    excluded_valid: Tensor,
+) -> Outputs:
     """Call the C kernel of `lib` (a `load`ed build) on CPU tensors."""
     _check(rows, kv, visible_len, excluded_pos, excluded_valid)
     if rows.device.type != "cpu":
-        raise ValueError(f"lowbit_partial_attention: the C kernel takes CPU tensors, got {rows.device}")
+        raise ValueError(
+            f"lowbit_partial_attention: the C kernel takes CPU tensors, got {rows.device}"
+        )
     b, h, m, d = rows.shape
     t = kv.k_packed.shape[2]
-    inputs = [x.contiguous() for x in (rows, kv.k_packed, kv.v_packed, kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero,
-                                        visible_len, excluded_pos, excluded_valid)]
-    outputs = [rows.new_empty(b, h, m, t), rows.new_empty(b, h, m), rows.new_empty(b, h, m), rows.new_empty(b, h, m, d)]
-    problem = _Problem(*(x.data_ptr() for x in inputs + outputs), b, h, m, d, t, excluded_pos.shape[2], kv.bits,
-                       kv.group, kv.v_scale.shape[3], kv.k_scale.dtype == torch.bfloat16, torch.get_num_threads())
+    inputs = [
+        x.contiguous()
+        for x in (
+            rows,
+            kv.k_packed,
+            kv.v_packed,
+            kv.k_scale,
+            kv.k_zero,
+            kv.v_scale,
+            kv.v_zero,
+            visible_len,
+            excluded_pos,
+            excluded_valid,
+        )
+    ]
+    outputs = [
+        rows.new_empty(b, h, m, t),
+        rows.new_empty(b, h, m),
+        rows.new_empty(b, h, m),
+        rows.new_empty(b, h, m, d),
+    ]
+    problem = _Problem(
+        *(x.data_ptr() for x in inputs + outputs),
+        b,
+        h,
+        m,
+        d,
+        t,
+        excluded_pos.shape[2],
+        kv.bits,
+        kv.group,
+        kv.v_scale.shape[3],
+        kv.k_scale.dtype == torch.bfloat16,
+        torch.get_num_threads(),
+    )
     if lib.lowbit_partial_attention(ctypes.byref(problem)) != 0:
         raise RuntimeError("lowbit_cpu.c rejected a problem that passed the checks")
     return tuple(outputs)
@@ -126,20 +208,39 @@ def run_kernel(lib: ctypes.CDLL, rows: Tensor, kv: LowBitKV, visible_len: Tensor
 def takes(rows: Tensor, bits: int, group: int) -> bool:
     """Whether the C kernel takes rows (B, Hkv, M, D) of a copy with these bits and group."""
     d = rows.shape[-1]
-    return (d % 16 == 0 and 16 <= d <= MAX_HEAD_DIM and group % 8 == 0 and group > 0
-            and d % value_group(group, d) == 0 and bits in (1, 2))
+    return (
+        d % 16 == 0
+        and 16 <= d <= MAX_HEAD_DIM
+        and group % 8 == 0
+        and group > 0
+        and d % value_group(group, d) == 0
+        and bits in (1, 2)
+    )
 
 
-def _serve(lib: ctypes.CDLL, rows: Tensor, k_packed: Tensor, k_scale: Tensor, k_zero: Tensor,
-           v_packed: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int, group: int,
-           visible_len: Tensor, excluded_pos: Tensor, excluded_valid: Tensor) -> Outputs:
+def _serve(
+    lib: ctypes.CDLL,
+    rows: Tensor,
+    k_packed: Tensor,
+    k_scale: Tensor,
+    k_zero: Tensor,
+    v_packed: Tensor,
+    v_scale: Tensor,
+    v_zero: Tensor,
+    bits: int,
+    group: int,
+    visible_len: Tensor,
+    excluded_pos: Tensor,
+    excluded_valid: Tensor,
+) -> Outputs:
     """The op for CPU tensors where the C++ dispatch does not build: the C kernel through ctypes
     for the shapes it takes, the reference otherwise."""
     kv = LowBitKV(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group)
     if takes(rows, bits, group) and k_packed.shape[2] > 0:
         return run_kernel(lib, rows, kv, visible_len, excluded_pos, excluded_valid)
-    return specache.lowbit_partial_attention_reference(rows, *kv[:6], bits, group, visible_len,
-                                                       excluded_pos, excluded_valid)
+    return specache.lowbit_partial_attention_reference(
+        rows, *kv[:6], bits, group, visible_len, excluded_pos, excluded_valid
+    )
 
 
 @lru_cache(maxsize=None)
@@ -148,12 +249,17 @@ def register() -> bool:
     tensors; False where it cannot (the reference serves)."""
     if not cpu_build.enabled():
         return False
-    lib = cpu_build.build_and_load(SOURCE, "lowbit_partial_attention", _Problem,
-                                   "the CPU low-bit kernel is unavailable, the reference serves")
+    lib = cpu_build.build_and_load(
+        SOURCE,
+        "lowbit_partial_attention",
+        _Problem,
+        "the CPU low-bit kernel is unavailable, the reference serves",
+    )
     if lib is None:
         return False
     fallback = specache.lowbit_partial_attention_reference
     if not cpu_ops.hand_over("lowbit_partial_attention", lib.lowbit_partial_attention, fallback):
-        torch.library.register_kernel("specache::lowbit_partial_attention", "cpu",
-                                      partial(_serve, lib))
+        torch.library.register_kernel(
+            "specache::lowbit_partial_attention", "cpu", partial(_serve, lib)
+        )
     return True

@@ -23,6 +23,7 @@ only, and keeps the best k in a heap. `register()` builds it at first use and re
 tensors, dispatched in C++ (kernels/cpu_ops.cpp) where that builds, else through ctypes. Without
 gcc it returns False and the reference serves; SPECACHE_NO_CPU_KERNEL=1 forces that.
 """
+
 import ctypes
 from functools import lru_cache, partial
 from pathlib import Path
@@ -36,10 +37,22 @@ SOURCE = Path(__file__).with_name("rank_cpu.c")
 Outputs = tuple[Tensor, Tensor]
 
 
-def _check(weights: Tensor, scale: Tensor, p_fetched: Tensor, fetched_pos: Tensor, p_window: Tensor,
-           window_start: Tensor, s: int, row: int, upper: Tensor, excluded_pos: Tensor, excluded_valid: Tensor,
-           k: int) -> None:
+def _check(
+    weights: Tensor,
+    scale: Tensor,
+    p_fetched: Tensor,
+    fetched_pos: Tensor,
+    p_window: Tensor,
+    window_start: Tensor,
+    s: int,
+    row: int,
+    upper: Tensor,
+    excluded_pos: Tensor,
+    excluded_valid: Tensor,
+    k: int,
+) -> None:
     """Raise ValueError unless the inputs have the layout in the module docstring."""
+
     def fail(message: str):
         raise ValueError(f"top_positions: {message}")
 
@@ -47,36 +60,92 @@ def _check(weights: Tensor, scale: Tensor, p_fetched: Tensor, fetched_pos: Tenso
         fail(f"weights must be (B, Hkv, M, T) float32, got {tuple(weights.shape)} {weights.dtype}")
     b, h, m, _ = weights.shape
     if b < 1 or h < 1 or s < 1 or m < s or m % s or not 0 <= row < s or k < 0:
-        fail(f"need B = {b} and Hkv = {h} >= 1, M = {m} a positive multiple of S = {s}, 0 <= row = {row} < S and "
-             f"k = {k} >= 0")
+        fail(
+            f"need B = {b} and Hkv = {h} >= 1, M = {m} a positive multiple of S = {s}, 0 <= row = "
+            f"{row} < S and "
+            f"k = {k} >= 0"
+        )
     if scale.numel() != b * h * m or scale.shape[:3] != (b, h, m) or scale.dtype != torch.float32:
-        fail(f"scale must be ({b}, {h}, {m}) or ({b}, {h}, {m}, 1) float32, got {tuple(scale.shape)} {scale.dtype}")
+        fail(
+            f"scale must be ({b}, {h}, {m}) or ({b}, {h}, {m}, 1) float32, got "
+            f"{tuple(scale.shape)} {scale.dtype}"
+        )
     for name, x in (("p_fetched", p_fetched), ("p_window", p_window)):
         if x.dim() != 4 or x.shape[:3] != (b, h, m) or x.dtype != torch.float32:
             fail(f"{name} must be ({b}, {h}, {m}, N) float32, got {tuple(x.shape)} {x.dtype}")
     if fetched_pos.shape != (b, h, p_fetched.shape[3]) or fetched_pos.dtype != torch.int64:
-        fail(f"fetched_pos must be ({b}, {h}, {p_fetched.shape[3]}) int64, got {tuple(fetched_pos.shape)} "
-             f"{fetched_pos.dtype}")
+        fail(
+            f"fetched_pos must be ({b}, {h}, {p_fetched.shape[3]}) int64, got "
+            f"{tuple(fetched_pos.shape)} "
+            f"{fetched_pos.dtype}"
+        )
     for name, x in (("window_start", window_start), ("upper", upper)):
         if x.shape != (b,) or x.dtype != torch.int64:
             fail(f"{name} must be ({b},) int64, got {tuple(x.shape)} {x.dtype}")
-    if excluded_pos.dim() != 3 or excluded_pos.shape[:2] != (b, h) or excluded_pos.dtype != torch.int64:
-        fail(f"excluded_pos must be ({b}, {h}, E) int64, got {tuple(excluded_pos.shape)} {excluded_pos.dtype}")
+    if (
+        excluded_pos.dim() != 3
+        or excluded_pos.shape[:2] != (b, h)
+        or excluded_pos.dtype != torch.int64
+    ):
+        fail(
+            f"excluded_pos must be ({b}, {h}, E) int64, got {tuple(excluded_pos.shape)} "
+            f"{excluded_pos.dtype}"
+        )
     if excluded_valid.shape != excluded_pos.shape or excluded_valid.dtype != torch.bool:
-        fail(f"excluded_valid must be bool shaped like excluded_pos, got {tuple(excluded_valid.shape)} "
-             f"{excluded_valid.dtype}")
-    if any(x.device != weights.device for x in (scale, p_fetched, fetched_pos, p_window, window_start, upper,
-                                                 excluded_pos, excluded_valid)):
+        fail(
+            f"excluded_valid must be bool shaped like excluded_pos, got "
+            f"{tuple(excluded_valid.shape)} "
+            f"{excluded_valid.dtype}"
+        )
+    if any(
+        x.device != weights.device
+        for x in (
+            scale,
+            p_fetched,
+            fetched_pos,
+            p_window,
+            window_start,
+            upper,
+            excluded_pos,
+            excluded_valid,
+        )
+    ):
         fail("all tensors must be on one device")
 
 
 class _Problem(ctypes.Structure):
     """The C file's Problem struct, field for field."""
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("weights", "scale", "p_fetched", "fetched_pos", "p_window", "window_start", "upper", "excluded_pos",
-                 "excluded_valid", "indices", "valid")]
-    _fields_ += [(name, ctypes.c_int64) for name in
-                 ("batch", "heads", "m", "t", "n_fetched", "n_window", "n_excluded", "k", "lower")]
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in (
+            "weights",
+            "scale",
+            "p_fetched",
+            "fetched_pos",
+            "p_window",
+            "window_start",
+            "upper",
+            "excluded_pos",
+            "excluded_valid",
+            "indices",
+            "valid",
+        )
+    ]
+    _fields_ += [
+        (name, ctypes.c_int64)
+        for name in (
+            "batch",
+            "heads",
+            "m",
+            "t",
+            "n_fetched",
+            "n_window",
+            "n_excluded",
+            "k",
+            "lower",
+        )
+    ]
     _fields_ += [(name, ctypes.c_int32) for name in ("s", "row", "max_over_heads", "threads")]
 
 
@@ -88,22 +157,75 @@ def load(path: Path) -> ctypes.CDLL:
     return cpu_build.load(path, "top_positions", _Problem)
 
 
-def run_kernel(lib: ctypes.CDLL, weights: Tensor, scale: Tensor, p_fetched: Tensor, fetched_pos: Tensor,
-               p_window: Tensor, window_start: Tensor, s: int, row: int, gqa_max: bool, lower: int, upper: Tensor,
-               excluded_pos: Tensor, excluded_valid: Tensor, k: int) -> Outputs:
+def run_kernel(
+    lib: ctypes.CDLL,
+    weights: Tensor,
+    scale: Tensor,
+    p_fetched: Tensor,
+    fetched_pos: Tensor,
+    p_window: Tensor,
+    window_start: Tensor,
+    s: int,
+    row: int,
+    gqa_max: bool,
+    lower: int,
+    upper: Tensor,
+    excluded_pos: Tensor,
+    excluded_valid: Tensor,
+    k: int,
+) -> Outputs:
     """Call the C kernel of `lib` (a `load`ed build) on CPU tensors."""
-    _check(weights, scale, p_fetched, fetched_pos, p_window, window_start, s, row, upper, excluded_pos,
-           excluded_valid, k)
+    _check(
+        weights,
+        scale,
+        p_fetched,
+        fetched_pos,
+        p_window,
+        window_start,
+        s,
+        row,
+        upper,
+        excluded_pos,
+        excluded_valid,
+        k,
+    )
     if weights.device.type != "cpu":
         raise ValueError(f"top_positions: the C kernel takes CPU tensors, got {weights.device}")
     b, h, m, t = weights.shape
-    inputs = [x.contiguous() for x in (weights, scale, p_fetched, fetched_pos, p_window, window_start, upper,
-                                       excluded_pos, excluded_valid)]
+    inputs = [
+        x.contiguous()
+        for x in (
+            weights,
+            scale,
+            p_fetched,
+            fetched_pos,
+            p_window,
+            window_start,
+            upper,
+            excluded_pos,
+            excluded_valid,
+        )
+    ]
     indices = torch.empty(b, h, k, dtype=torch.int64)
     valid = torch.empty(b, h, k, dtype=torch.bool)
-    problem = _Problem(*(x.data_ptr() for x in inputs), indices.data_ptr(), valid.data_ptr(), b, h, m, t,
-                       p_fetched.shape[3], p_window.shape[3], excluded_pos.shape[2], k, lower, s, row, gqa_max,
-                       torch.get_num_threads())
+    problem = _Problem(
+        *(x.data_ptr() for x in inputs),
+        indices.data_ptr(),
+        valid.data_ptr(),
+        b,
+        h,
+        m,
+        t,
+        p_fetched.shape[3],
+        p_window.shape[3],
+        excluded_pos.shape[2],
+        k,
+        lower,
+        s,
+        row,
+        gqa_max,
+        torch.get_num_threads(),
+    )
     if lib.top_positions(ctypes.byref(problem)) != 0:
         raise RuntimeError("rank_cpu.c rejected a problem that passed the checks")
     return indices, valid
@@ -115,8 +237,12 @@ def register() -> bool:
     where it cannot (the reference serves)."""
     if not cpu_build.enabled():
         return False
-    lib = cpu_build.build_and_load(SOURCE, "top_positions", _Problem,
-                                   "the CPU ranking kernel is unavailable, the reference serves")
+    lib = cpu_build.build_and_load(
+        SOURCE,
+        "top_positions",
+        _Problem,
+        "the CPU ranking kernel is unavailable, the reference serves",
+    )
     if lib is None:
         return False
     if not cpu_ops.hand_over("top_positions", lib.top_positions):

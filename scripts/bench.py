@@ -1,10 +1,14 @@
-"""Decode speed of every cache side by side, against the machine's read bandwidth and HF transformers.
+"""Decode speed of every cache side by side, against the machine's read bandwidth and HF
+transformers.
 
-    python scripts/bench.py                                          # 1k-16k x batch 1, 4; all methods
-    python scripts/bench.py --lengths 16384 --batch_sizes 1 --methods full specache-1bit --out /tmp/bench
+    python scripts/bench.py                                          # 1k-16k x batch 1, 4; all \
+        methods
+    python scripts/bench.py --lengths 16384 --batch_sizes 1 --methods full specache-1bit --out \
+        /tmp/bench
     python scripts/bench.py --lengths 1024 4096 --no_hf --dtype bfloat16
     python scripts/bench.py --device cuda --random_weights Meta-Llama-3-8B --dtype bfloat16 \
-        --lengths 32768 --batch_sizes 1 --max_batch --no_hf         # as scripts/gpu_check.sh runs it
+        --lengths 32768 --batch_sizes 1 --max_batch --no_hf         # as scripts/gpu_check.sh runs
+        it
 
 Every figure comes from one run. Per context length, one random-token prompt is prefilled once
 (batch 1, full precision, as every method does: scripts/harness.py) and each method's cache takes
@@ -45,6 +49,7 @@ throughput figure does.
 Writes {out}/bench.md (the table under the command), {out}/bench.json and {out}/bench.png (ms per
 step against context, batch 1).
 """
+
 import argparse
 import gc
 import importlib.util
@@ -72,7 +77,9 @@ WAITED = "specache-1bit, fetch waited"
 LLAMA_CPP = "llama.cpp, f16 KV"
 
 
-def measure_read_bandwidth(device: torch.device = torch.device("cpu"), gib: float = 0.5, repeats: int = 7) -> float:
+def measure_read_bandwidth(
+    device: torch.device = torch.device("cpu"), gib: float = 0.5, repeats: int = 7
+) -> float:
     """Median GB/s of summing a tensor far larger than the caches, with torch's threads (CPU)."""
     x = torch.ones(int(gib * 2**30) // 4, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
@@ -87,7 +94,9 @@ def measure_read_bandwidth(device: torch.device = torch.device("cpu"), gib: floa
     return statistics.median(rates)
 
 
-def random_model(name: str, device: torch.device, dtype: torch.dtype, int8: bool = False) -> Transformer:
+def random_model(
+    name: str, device: torch.device, dtype: torch.dtype, int8: bool = False
+) -> Transformer:
     """A model of `name`'s shape with random weights (speed only). `int8`: int8 Linears (as
     quantize.py makes), built without ever holding the float weights, so that a Llama-3-8B shape
     fits in 9 GB; their scales keep activations at unit scale."""
@@ -103,7 +112,7 @@ def random_model(name: str, device: torch.device, dtype: torch.dtype, int8: bool
         for module in model.modules():
             if isinstance(module, Int8Linear):
                 module.weight.random_(-127, 128)
-                module.scales.fill_(1 / (73 * module.in_features ** 0.5))  # codes' std is 73
+                module.scales.fill_(1 / (73 * module.in_features**0.5))  # codes' std is 73
         for name, p in model.named_parameters():
             p.fill_(1.0) if "norm" in name else p.normal_()
     return model.eval()
@@ -111,6 +120,7 @@ def random_model(name: str, device: torch.device, dtype: torch.dtype, int8: bool
 
 class NoTokenizer:
     """What the runner needs of a tokenizer, for random weights: no stop tokens, no text."""
+
     stop_ids = ()
 
     def decode(self, ids: list[int]) -> str:
@@ -138,29 +148,51 @@ def prompt_of_length(length: int, vocab: int = 49152) -> list[int]:
     return torch.randint(100, vocab - 100, (length,), generator=g).tolist()
 
 
-def bench_method(runner: Runner, method: str, prompt: list[int], prefilled, new_tokens: int, batch: int) -> dict:
+def bench_method(
+    runner: Runner, method: str, prompt: list[int], prefilled, new_tokens: int, batch: int
+) -> dict:
     overlap = method != WAITED
     name = "specache-1bit" if method == WAITED else method
     device = runner.model.tok_embeddings.weight.device
     t0 = time.perf_counter()
-    runner.decode(name, prompt, prefilled, 4, batch, overlap)  # warm-up: compiles this method's graphs
+    # warm-up: compiles this method's graphs
+    runner.decode(name, prompt, prefilled, 4, batch, overlap)
     compile_seconds = time.perf_counter() - t0
     bandwidth_before = measure_read_bandwidth(device)
-    token_times = []  # the decode loops read each token back, so these times are the steps' on a GPU too
-    result = runner.decode(name, prompt, prefilled, new_tokens, batch, overlap,
-                           callback=lambda tokens: token_times.append(time.perf_counter()))
+    # the decode loops read each token back, so these times are the steps' on a GPU too
+    token_times = []
+    result = runner.decode(
+        name,
+        prompt,
+        prefilled,
+        new_tokens,
+        batch,
+        overlap,
+        callback=lambda tokens: token_times.append(time.perf_counter()),
+    )
     bandwidth = (bandwidth_before + measure_read_bandwidth(device)) / 2
     seconds_per_step = statistics.median(b - a for a, b in zip(token_times, token_times[1:]))
-    fast = full_cache_bytes(runner.model) if name.startswith("full") else result.stats.get("fast_tier_bytes")
-    return dict(ms_per_step=1e3 * seconds_per_step, tok_s=batch / seconds_per_step,
-                gbps=result.decode_bytes / result.decode_steps / seconds_per_step / 1e9, bandwidth=bandwidth,
-                fast=fast, slow=result.stats.get("slow_tier_bytes"),
-                fetched=result.stats.get("bytes_fetched_per_token"),
-                discarded=result.stats.get("prefetch_discarded_share"), compile=compile_seconds)
+    fast = (
+        full_cache_bytes(runner.model)
+        if name.startswith("full")
+        else result.stats.get("fast_tier_bytes")
+    )
+    return dict(
+        ms_per_step=1e3 * seconds_per_step,
+        tok_s=batch / seconds_per_step,
+        gbps=result.decode_bytes / result.decode_steps / seconds_per_step / 1e9,
+        bandwidth=bandwidth,
+        fast=fast,
+        slow=result.stats.get("slow_tier_bytes"),
+        fetched=result.stats.get("bytes_fetched_per_token"),
+        discarded=result.stats.get("prefetch_discarded_share"),
+        compile=compile_seconds,
+    )
 
 
 def full_cache_bytes(model: Transformer) -> int:
-    """The full cache set up in `model`, all of it fast tier: K and V in the model's dtype (rings for
+    """The full cache set up in `model`, all of it fast tier: K and V in the model's dtype (rings
+    for
     sliding-window layers)."""
     return sum(b.nbytes for layer in model.layers for b in layer.attention.kv_cache.buffers())
 
@@ -180,6 +212,7 @@ def out_of_memory(error: Exception) -> bool:
 
 def max_batch(runner: Runner, method: str, prompt: list[int], prefilled, cap: int) -> int:
     """The largest batch of `prompt` whose cache fits with two decode steps (eager: memory only)."""
+
     def fits(batch: int) -> bool:
         release_caches(runner.model)
         try:
@@ -209,21 +242,42 @@ class TokenClock:
         """Nothing to flush: only the timestamps matter."""
 
 
-def bench_hf(hf_model, prompt: list[int], new_tokens: int, step_bytes: int, cache_implementation=None) -> dict:
+def bench_hf(
+    hf_model, prompt: list[int], new_tokens: int, step_bytes: int, cache_implementation=None
+) -> dict:
     ids = torch.tensor([prompt], device=hf_model.device)
-    extra = {} if cache_implementation is None else dict(
-        cache_implementation=cache_implementation, cache_config=dict(backend="quanto", nbits=2))
+    extra = (
+        {}
+        if cache_implementation is None
+        else dict(
+            cache_implementation=cache_implementation, cache_config=dict(backend="quanto", nbits=2)
+        )
+    )
     hf_model.generate(ids[:, :64], max_new_tokens=4, do_sample=False, **extra)  # warm-up
     bandwidth_before = measure_read_bandwidth(hf_model.device)
     clock = TokenClock()
-    hf_model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=clock,
-                      **extra)
+    hf_model.generate(
+        ids,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        streamer=clock,
+        **extra,
+    )
     bandwidth = (bandwidth_before + measure_read_bandwidth(hf_model.device)) / 2
-    # put() is called once with the prompt, then once per new token; the first new token ends prefill.
+    # put() is called once with the prompt, then once per new token; the first new token ends
+    # prefill.
     first, last = clock.times[1], clock.times[-1]
     seconds_per_step = (last - first) / (len(clock.times) - 2)
-    return dict(ms_per_step=1e3 * seconds_per_step, tok_s=1 / seconds_per_step, gbps=step_bytes / seconds_per_step / 1e9,
-                bandwidth=bandwidth, fast=None, slow=None, prefill=first - clock.times[0])
+    return dict(
+        ms_per_step=1e3 * seconds_per_step,
+        tok_s=1 / seconds_per_step,
+        gbps=step_bytes / seconds_per_step / 1e9,
+        bandwidth=bandwidth,
+        fast=None,
+        slow=None,
+        prefill=first - clock.times[0],
+    )
 
 
 def bench_llama_cpp(gguf: Path, prompt: list[int], new_tokens: int, quantized_kv: bool) -> dict:
@@ -235,13 +289,26 @@ def bench_llama_cpp(gguf: Path, prompt: list[int], new_tokens: int, quantized_kv
 
     kv_type = llama_cpp.GGML_TYPE_Q4_0 if quantized_kv else llama_cpp.GGML_TYPE_F16
     threads = torch.get_num_threads()
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=len(prompt) + new_tokens + 8, n_batch=512, n_threads=threads,
-                          n_threads_batch=threads, flash_attn=quantized_kv, type_k=kv_type, type_v=kv_type,
-                          verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=str(gguf),
+        n_ctx=len(prompt) + new_tokens + 8,
+        n_batch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        flash_attn=quantized_kv,
+        type_k=kv_type,
+        type_v=kv_type,
+        verbose=False,
+    )
     vocab = llm.n_vocab()
 
-    def greedy() -> int:  # the last token's logits (Llama.scores keeps them only with logits_all, for every token)
-        return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))))
+    # the last token's logits (Llama.scores keeps them only with logits_all, for every token)
+    def greedy() -> int:
+        return int(
+            np.argmax(
+                np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))
+            )
+        )
 
     bandwidth_before = measure_read_bandwidth()
     t0 = time.perf_counter()
@@ -258,11 +325,25 @@ def bench_llama_cpp(gguf: Path, prompt: list[int], new_tokens: int, quantized_kv
     c = llm.metadata
     layers, kv_heads = int(c["llama.block_count"]), int(c["llama.attention.head_count_kv"])
     head_dim = int(c["llama.embedding_length"]) // int(c["llama.attention.head_count"])
-    kv_bytes = 2 * layers * kv_heads * head_dim * (len(prompt) + new_tokens // 2) * (18 / 32 if quantized_kv else 2)
+    kv_bytes = (
+        2
+        * layers
+        * kv_heads
+        * head_dim
+        * (len(prompt) + new_tokens // 2)
+        * (18 / 32 if quantized_kv else 2)
+    )
     step_bytes = gguf.stat().st_size + kv_bytes  # the file is the weights, bar a small header
     llm.close()
-    return dict(ms_per_step=1e3 * seconds_per_step, tok_s=1 / seconds_per_step, gbps=step_bytes / seconds_per_step / 1e9,
-                bandwidth=bandwidth, fast=kv_bytes, slow=None, prefill=prefill)
+    return dict(
+        ms_per_step=1e3 * seconds_per_step,
+        tok_s=1 / seconds_per_step,
+        gbps=step_bytes / seconds_per_step / 1e9,
+        bandwidth=bandwidth,
+        fast=kv_bytes,
+        slow=None,
+        prefill=prefill,
+    )
 
 
 def llama_cpp_available() -> bool:
@@ -278,11 +359,19 @@ def quanto_available() -> bool:
 
 
 def table(rows: list[dict], title: str) -> str:
-    """The rows as markdown. Ratios are tok/s over the fastest full cache (`full` or `full-16bit`, any
-    checkpoint) at the same context and batch, and over llama.cpp's f16-KV row at the same context."""
-    lines = [title, "", "| context | batch | method | prefill s | compile s | decode ms/step | tok/s | GB/s | % of bw "
-             "| fast-tier KV MB | slow-tier KV MB | fetched kB/token | prefetch discarded | vs fastest full | vs llama.cpp |",
-             "|---" * 15 + "|"]
+    """The rows as markdown. Ratios are tok/s over the fastest full cache (`full` or `full-16bit`,
+    any
+    checkpoint) at the same context and batch, and over llama.cpp's f16-KV row at the same
+    context."""
+    lines = [
+        title,
+        "",
+        "| context | batch | method | prefill s | compile s | decode ms/step | tok/s | GB/s | % of "
+        "bw "
+        "| fast-tier KV MB | slow-tier KV MB | fetched kB/token | prefetch discarded | vs fastest "
+        "full | vs llama.cpp |",
+        "|---" * 15 + "|",
+    ]
     rows = sorted(rows, key=lambda r: (r["length"], r["batch"]))  # stable: methods keep their order
     full, peer = {}, {}
     for r in rows:
@@ -292,25 +381,40 @@ def table(rows: list[dict], title: str) -> str:
         if r["method"] == LLAMA_CPP:
             peer[r["length"]] = r["tok_s"]
     for r in rows:
-        ratio = lambda base: "-" if not base else f"{r['tok_s'] / base:.2f}x"
-        mb = lambda x: "-" if x is None else f"{x / 1e6:.1f}"
+
+        def ratio(base):
+            return "-" if not base else f"{r['tok_s'] / base:.2f}x"
+
+        def mb(x):
+            return "-" if x is None else f"{x / 1e6:.1f}"
+
         kb = "-" if r.get("fetched") is None else f"{r['fetched'] / 1e3:.0f}"
         discarded = "-" if r.get("discarded") is None else f"{100 * r['discarded']:.0f}%"
         compiled = "-" if r.get("compile") is None else f"{r['compile']:.0f}"
-        lines.append(f"| {r['length']} | {r['batch']} | {r['method']} | {r['prefill']:.1f} | {compiled} | "
-                     f"{r['ms_per_step']:.1f} | {r['tok_s']:.1f} | {r['gbps']:.1f} | {100 * r['gbps'] / r['bandwidth']:.0f}% | "
-                     f"{mb(r['fast'])} | {mb(r['slow'])} | {kb} | {discarded} | {ratio(full.get((r['length'], r['batch'])))} | "
-                     f"{ratio(peer.get(r['length']) if r['batch'] == 1 else None)} |")
+        lines.append(
+            f"| {r['length']} | {r['batch']} | {r['method']} | {r['prefill']:.1f} | {compiled} | "
+            f"{r['ms_per_step']:.1f} | {r['tok_s']:.1f} | {r['gbps']:.1f} | "
+            f"{100 * r['gbps'] / r['bandwidth']:.0f}% | "
+            f"{mb(r['fast'])} | {mb(r['slow'])} | {kb} | {discarded} | "
+            f"{ratio(full.get((r['length'], r['batch'])))} | "
+            f"{ratio(peer.get(r['length']) if r['batch'] == 1 else None)} |"
+        )
     return "\n".join(lines)
 
 
 def max_batch_table(largest: list[dict], cap: int) -> str:
-    lines = [f"Largest batch that fits (tried up to {cap}) and its decode tok/s:", "",
-             "| context | method | max batch | tok/s | tok/s vs full |", "|---|---|---|---|---|"]
+    lines = [
+        f"Largest batch that fits (tried up to {cap}) and its decode tok/s:",
+        "",
+        "| context | method | max batch | tok/s | tok/s vs full |",
+        "|---|---|---|---|---|",
+    ]
     full = {r["length"]: r["tok_s"] for r in largest if r["method"] == "full"}
     for r in largest:
         ratio = f"{r['tok_s'] / full[r['length']]:.2f}x" if full.get(r["length"]) else "-"
-        lines.append(f"| {r['length']} | {r['method']} | {r['batch']} | {r['tok_s']:.1f} | {ratio} |")
+        lines.append(
+            f"| {r['length']} | {r['method']} | {r['batch']} | {r['tok_s']:.1f} | {ratio} |"
+        )
     return "\n".join(lines)
 
 
@@ -322,7 +426,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for method in dict.fromkeys(r["method"] for r in rows):
-        mine = sorted((r["length"], r["ms_per_step"]) for r in rows if r["method"] == method and r["batch"] == 1)
+        mine = sorted(
+            (r["length"], r["ms_per_step"])
+            for r in rows
+            if r["method"] == method and r["batch"] == 1
+        )
         ax.plot([x for x, _ in mine], [y for _, y in mine], marker="o", label=method)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (tokens)")
@@ -334,41 +442,91 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192, 16384], help="context lengths")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", default=[1024, 4096, 8192, 16384], help="context lengths"
+    )
     parser.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
-                        type=lambda m: m if m == WAITED else method_argument(m),
-                        help=f"default: {' '.join(DEFAULT_METHODS)}, and '{WAITED}' on a GPU; SpeCache methods take "
-                             "a selection after a colon (specache-1bit:paper), as in the evaluation scripts")
-    parser.add_argument("--new_tokens", type=int, default=32, help="decode steps timed per measurement")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        metavar="METHOD",
+        type=lambda m: m if m == WAITED else method_argument(m),
+        help=f"default: {' '.join(DEFAULT_METHODS)}, and '{WAITED}' on a GPU; SpeCache methods "
+        "take "
+        "a selection after a colon (specache-1bit:paper), as in the evaluation scripts",
+    )
+    parser.add_argument(
+        "--new_tokens", type=int, default=32, help="decode steps timed per measurement"
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--checkpoint", type=Path, nargs="+", default=None,
-                        help="model.pth, or quantize.py's model_int8.pth / model_int4.g<N>.pth; several are timed "
-                             "one after the other, each row naming its file, ratios to the first one's full cache "
-                             "(default: the embedded SmolLM2; HF rows only for that)")
-    parser.add_argument("--random_weights", default=None, metavar="NAME", choices=list(transformer_configs),
-                        help="time a model of this shape with random weights instead of the embedded SmolLM2 "
-                             "(speed only; implies --no_hf)")
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="model.pth, or quantize.py's model_int8.pth / model_int4.g<N>.pth; several are timed "
+        "one after the other, each row naming its file, ratios to the first one's full cache "
+        "(default: the embedded SmolLM2; HF rows only for that)",
+    )
+    parser.add_argument(
+        "--random_weights",
+        default=None,
+        metavar="NAME",
+        choices=list(transformer_configs),
+        help="time a model of this shape with random weights instead of the embedded SmolLM2 "
+        "(speed only; implies --no_hf)",
+    )
     parser.add_argument("--topk", type=int, default=64)
-    parser.add_argument("--compile_per_block", action="store_true",
-                        help="on a CPU, compile each transformer block rather than each method's whole step (seconds "
-                             "of compiling rather than minutes per method and length; slower steps)")
-    parser.add_argument("--max_batch", action="store_true",
-                        help="also find each method's largest batch at each length, and its tok/s")
-    parser.add_argument("--max_batch_cap", type=int, default=64, help="the largest batch --max_batch tries")
+    parser.add_argument(
+        "--compile_per_block",
+        action="store_true",
+        help="on a CPU, compile each transformer block rather than each method's whole step "
+        "(seconds "
+        "of compiling rather than minutes per method and length; slower steps)",
+    )
+    parser.add_argument(
+        "--max_batch",
+        action="store_true",
+        help="also find each method's largest batch at each length, and its tok/s",
+    )
+    parser.add_argument(
+        "--max_batch_cap", type=int, default=64, help="the largest batch --max_batch tries"
+    )
     parser.add_argument("--no_hf", action="store_true", help="skip HF transformers")
-    parser.add_argument("--no_llama_cpp", action="store_true",
-                        help="skip llama.cpp (its rows run on a CPU for the default model, its int8 and int4 files, "
-                             "when llama-cpp-python is installed: pip install -r requirements-bench.txt)")
-    parser.add_argument("--llama_cpp_max", type=int, default=16384, metavar="N",
-                        help="run llama.cpp up to this context (default 16384: its prefill of 16k tokens took 3.5 "
-                             "minutes on a 2-core CPU, and grows with the square of the context)")
-    parser.add_argument("--llama_cpp_q4_kv_max", type=int, default=4096, metavar="N",
-                        help="also time llama.cpp's q4_0 KV cache (with flash attention) up to this context "
-                             "(default 4096: at 16k its prefill did not finish in 15 minutes on a 2-core CPU); 0: never")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the report files go (default docs/results)")
+    parser.add_argument(
+        "--no_llama_cpp",
+        action="store_true",
+        help="skip llama.cpp (its rows run on a CPU for the default model, its int8 and int4 "
+        "files, "
+        "when llama-cpp-python is installed: pip install -r requirements-bench.txt)",
+    )
+    parser.add_argument(
+        "--llama_cpp_max",
+        type=int,
+        default=16384,
+        metavar="N",
+        help="run llama.cpp up to this context (default 16384: its prefill of 16k tokens took 3.5 "
+        "minutes on a 2-core CPU, and grows with the square of the context)",
+    )
+    parser.add_argument(
+        "--llama_cpp_q4_kv_max",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="also time llama.cpp's q4_0 KV cache (with flash attention) up to this context "
+        "(default 4096: at 16k its prefill did not finish in 15 minutes on a 2-core CPU); 0: never",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS_DIR,
+        help="where the report files go (default docs/results)",
+    )
     args = parser.parse_args()
 
     torch.set_grad_enabled(False)
@@ -388,8 +546,13 @@ def main() -> None:
         from transformers import AutoModelForCausalLM, GgufConfig
 
         gguf = find_default_gguf()
-        hf = AutoModelForCausalLM.from_pretrained(  # dense weights, as ours: no on-the-fly dequantization
-            str(gguf.parent), gguf_file=gguf.name, dtype=dtype, quantization_config=GgufConfig(dequantize=True))
+        # dense weights, as ours: no on-the-fly dequantization
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent),
+            gguf_file=gguf.name,
+            dtype=dtype,
+            quantization_config=GgufConfig(dequantize=True),
+        )
         hf = hf.to(device).eval()
         hf_methods = [("HF DynamicCache", None)]
         if quanto_available():
@@ -398,10 +561,14 @@ def main() -> None:
             print("optimum-quanto is not installed: HF QuantizedCache skipped", file=sys.stderr)
     default = None if args.random_weights else prepare_default_checkpoint()
     llama_rows = not (args.no_llama_cpp or args.random_weights or device.type != "cpu") and all(
-        c.resolve().parent == default.resolve().parent for c in checkpoints)
+        c.resolve().parent == default.resolve().parent for c in checkpoints
+    )
     if llama_rows and not llama_cpp_available():
-        print("llama-cpp-python is not installed (pip install -r requirements-bench.txt): llama.cpp rows skipped",
-              file=sys.stderr)
+        print(
+            "llama-cpp-python is not installed (pip install -r requirements-bench.txt): llama.cpp "
+            "rows skipped",
+            file=sys.stderr,
+        )
         llama_rows = False
     llama_gguf = find_default_gguf() if llama_rows else None
     rows, largest = [], []
@@ -409,48 +576,96 @@ def main() -> None:
         if checkpoint is None:
             model, tokenizer = random_model(args.random_weights, device, dtype), NoTokenizer()
         else:
-            model, tokenizer = load_model(checkpoint, device, dtype), get_tokenizer(checkpoint.parent)
-        runner = Runner(model, tokenizer, names, topk=args.topk, compile=True, round_capacity=False,
-                        whole_step=not args.compile_per_block)
+            model, tokenizer = (
+                load_model(checkpoint, device, dtype),
+                get_tokenizer(checkpoint.parent),
+            )
+        runner = Runner(
+            model,
+            tokenizer,
+            names,
+            topk=args.topk,
+            compile=True,
+            round_capacity=False,
+            whole_step=not args.compile_per_block,
+        )
         label = f" [{checkpoint.name}]" if len(checkpoints) > 1 else ""
         for length in args.lengths:
             prompt = prompt_of_length(length, model.config.vocab_size)
             prefilled = runner.prefill(prompt, args.new_tokens)
             for batch in args.batch_sizes:
                 for method in methods:
-                    measured = bench_method(runner, method, prompt, prefilled, args.new_tokens, batch)
-                    rows.append(dict(length=length, batch=batch, method=method + label, prefill=prefilled.seconds,
-                                     **measured))
-                    print(f"  {length} x{batch} {method}{label}: {measured['ms_per_step']:.1f} ms/step",
-                          file=sys.stderr)
-    for length in args.lengths if args.max_batch or hf_methods or llama_rows else []:  # the last checkpoint's model
+                    measured = bench_method(
+                        runner, method, prompt, prefilled, args.new_tokens, batch
+                    )
+                    rows.append(
+                        dict(
+                            length=length,
+                            batch=batch,
+                            method=method + label,
+                            prefill=prefilled.seconds,
+                            **measured,
+                        )
+                    )
+                    print(
+                        f"  {length} x{batch} {method}{label}: {measured['ms_per_step']:.1f} "
+                        "ms/step",
+                        file=sys.stderr,
+                    )
+    # the last checkpoint's model
+    for length in args.lengths if args.max_batch or hf_methods or llama_rows else []:
         prompt = prompt_of_length(length, model.config.vocab_size)
         prefilled = runner.prefill(prompt, args.new_tokens) if args.max_batch else None
         for method in names if args.max_batch else []:
             batch = max_batch(runner, method, prompt, prefilled, args.max_batch_cap)
-            measured = bench_method(runner, method, prompt, prefilled, args.new_tokens, batch) if batch else {}
-            largest.append(dict(length=length, method=method, batch=batch, tok_s=measured.get("tok_s", 0.0)))
+            measured = (
+                bench_method(runner, method, prompt, prefilled, args.new_tokens, batch)
+                if batch
+                else {}
+            )
+            largest.append(
+                dict(length=length, method=method, batch=batch, tok_s=measured.get("tok_s", 0.0))
+            )
             print(f"  {length} {method}: max batch {batch}", file=sys.stderr)
             release_caches(model)
         for name, implementation in hf_methods:
-            step_bytes = weight_bytes(model) + full_cache_step_bytes(model, [length + args.new_tokens // 2])
+            step_bytes = weight_bytes(model) + full_cache_step_bytes(
+                model, [length + args.new_tokens // 2]
+            )
             measured = bench_hf(hf, prompt, args.new_tokens, step_bytes, implementation)
             rows.append(dict(length=length, batch=1, method=name, **measured))
             print(f"  {length} x1 {name}: {measured['ms_per_step']:.1f} ms/step", file=sys.stderr)
-        for quantized_kv in [False, True][: 1 + (length <= args.llama_cpp_q4_kv_max)] \
-                if llama_rows and length <= args.llama_cpp_max else []:
+        for quantized_kv in (
+            [False, True][: 1 + (length <= args.llama_cpp_q4_kv_max)]
+            if llama_rows and length <= args.llama_cpp_max
+            else []
+        ):
             name = "llama.cpp, q4_0 KV (flash attention)" if quantized_kv else LLAMA_CPP
             measured = bench_llama_cpp(llama_gguf, prompt, args.new_tokens, quantized_kv)
             rows.append(dict(length=length, batch=1, method=name, **measured))
             print(f"  {length} x1 {name}: {measured['ms_per_step']:.1f} ms/step", file=sys.stderr)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
-    markdown = table(rows, f"{model_name}, {args.dtype}, greedy, {args.new_tokens} decode steps, compiled (ours), "
-                           f"k = {args.topk}, {where}. Prefill: ours, batch 1, shared by our methods; HF's and llama.cpp's "
-                           f"their own. llama.cpp: {'the GGUF the default model comes from' if llama_rows else 'not run'}.")
+    where = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"{torch.get_num_threads()} CPU threads"
+    )
+    markdown = table(
+        rows,
+        f"{model_name}, {args.dtype}, greedy, {args.new_tokens} decode steps, compiled (ours), "
+        f"k = {args.topk}, {where}. Prefill: ours, batch 1, shared by our methods; HF's and "
+        "llama.cpp's "
+        f"their own. llama.cpp: "
+        f"{'the GGUF the default model comes from' if llama_rows else 'not run'}.",
+    )
     if largest:
         markdown += "\n\n" + max_batch_table(largest, args.max_batch_cap)
     print(markdown)
-    write_report(args.out, "bench", markdown + "\n\n![ms per step](bench.png)", dict(rows=rows, max_batch=largest))
+    write_report(
+        args.out,
+        "bench",
+        markdown + "\n\n![ms per step](bench.png)",
+        dict(rows=rows, max_batch=largest),
+    )
     plot(rows, args.out / "bench.png")
 
 

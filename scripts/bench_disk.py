@@ -1,8 +1,10 @@
 """SpeCache with its slow tier on disk, at long context, for speed only.
 
-    python scripts/bench_disk.py                          # Llama-3-8B shape, int8, 64k and 128k, cold and warm
+    python scripts/bench_disk.py                          # Llama-3-8B shape, int8, 64k and 128k, \
+        cold and warm
     python scripts/bench_disk.py --lengths 8192 --steps 4 --out /tmp/disk   # a quick look
-    python scripts/bench_disk.py --layout                 # the file layout and read method, measured
+    python scripts/bench_disk.py --layout                 # the file layout and read method, \
+        measured
 
 A model of a named shape (config.py) with random int8 weights, and each cache filled with synthetic
 K and V (random normal, bf16) instead of a prefill: the figures are for speed only, the tokens mean
@@ -34,6 +36,7 @@ heads that pick different positions or the same ones, cold and warm.
 
 Writes {out}/bench_disk.md (the tables under the command) and {out}/bench_disk.json.
 """
+
 import argparse
 import ctypes
 import mmap
@@ -56,12 +59,19 @@ from caches import FullCache, make_cache  # noqa: E402
 from config import transformer_configs  # noqa: E402
 from disk_tier import IO_THREADS  # noqa: E402
 from generate import GenerateOptions, exit_on_signal, generate, weight_bytes  # noqa: E402
-from scripts.bench import full_cache_bytes, measure_read_bandwidth, random_model, release_caches  # noqa: E402
+
+# noqa: E402
+from scripts.bench import full_cache_bytes, measure_read_bandwidth, random_model, release_caches
 from scripts.harness import RESULTS_DIR, write_report  # noqa: E402
 from scripts.long_run import resident_bytes  # noqa: E402
 
-METHODS = [("specache-1bit", True), ("specache-1bit", False), ("specache-1bit:paper", True),
-           ("specache-1bit:paper", False), ("specache-nospec-1bit", True)]
+METHODS = [
+    ("specache-1bit", True),
+    ("specache-1bit", False),
+    ("specache-1bit:paper", True),
+    ("specache-1bit:paper", False),
+    ("specache-nospec-1bit", True),
+]
 WARMUP = 2
 
 
@@ -72,7 +82,14 @@ def mem_total() -> int:
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
@@ -89,27 +106,43 @@ def page_cache_bytes(fd: int, size: int) -> int:
             raise OSError(ctypes.get_errno(), "mincore failed")
     finally:
         _libc.munmap(address, size)
-    return int(torch.frombuffer(bytearray(vector), dtype=torch.uint8).bitwise_and(1).sum()) * mmap.PAGESIZE
+    return (
+        int(torch.frombuffer(bytearray(vector), dtype=torch.uint8).bitwise_and(1).sum())
+        * mmap.PAGESIZE
+    )
 
 
 def fill(cache, model, length: int, seed: int) -> None:
     """Synthetic K, V for every layer (instead of a prefill), after the cache's begin."""
     c, g = model.config, torch.Generator().manual_seed(seed)
     for layer in tqdm(model.layers, desc=f"filling {length} positions", unit="layer", leave=False):
-        k, v = (torch.randn(1, c.n_local_heads, length, c.head_dim, generator=g).to(torch.bfloat16) for _ in range(2))
+        k, v = (
+            torch.randn(1, c.n_local_heads, length, c.head_dim, generator=g).to(torch.bfloat16)
+            for _ in range(2)
+        )
         layer.attention.kv_cache.ingest_prompt(k, v)
 
 
-def run_one(model, method: str, overlap: bool, length: int, steps: int, slow_tier_dir) -> list[dict]:
-    """One generation: warm-up, `steps` warm, `steps` cold (the disk tier); rows for warm and cold."""
+def run_one(
+    model, method: str, overlap: bool, length: int, steps: int, slow_tier_dir
+) -> list[dict]:
+    """One generation: warm-up, `steps` warm, `steps` cold (the disk tier); rows for warm and
+    cold."""
     release_caches(model)
     capacity = length + WARMUP + 2 * steps + 2
     full = method == "full"
     if full:
         cache = FullCache(model, 1, capacity)
     else:
-        cache = make_cache(method, model, 1, capacity, overlap_fetch=overlap, slow_tier="disk",
-                           slow_tier_dir=slow_tier_dir)
+        cache = make_cache(
+            method,
+            model,
+            1,
+            capacity,
+            overlap_fetch=overlap,
+            slow_tier="disk",
+            slow_tier_dir=slow_tier_dir,
+        )
     cache.begin(torch.zeros(1, length, dtype=torch.long), torch.tensor([length]))
     fill(cache, model, length, seed=length)
     tiers = [] if full else [layer.tier for layer in cache.layers]
@@ -124,16 +157,27 @@ def run_one(model, method: str, overlap: bool, length: int, steps: int, slow_tie
         done = len(starts) - 1  # decode steps so far
         if done in (WARMUP, WARMUP + steps, WARMUP + 2 * steps):
             usage = resource.getrusage(resource.RUSAGE_SELF)
-            marks[done] = dict(read=read_so_far(), rss=resident_bytes(), user=usage.ru_utime, system=usage.ru_stime,
-                               cached=sum(page_cache_bytes(t.fd, t.nbytes()) for t in tiers if t.fd is not None))
+            marks[done] = dict(
+                read=read_so_far(),
+                rss=resident_bytes(),
+                user=usage.ru_utime,
+                system=usage.ru_stime,
+                cached=sum(page_cache_bytes(t.fd, t.nbytes()) for t in tiers if t.fd is not None),
+            )
         if not full and done >= WARMUP + steps:
             cache.folder.drop_page_cache()
         ends.append(time.perf_counter())
 
     bandwidth_before = measure_read_bandwidth()
     options = GenerateOptions(first_token=torch.zeros(1, 1, dtype=torch.long))
-    result = generate(model, cache, [[0] * length], WARMUP + len(phases) * steps + 1, callback=callback,
-                      options=options)
+    result = generate(
+        model,
+        cache,
+        [[0] * length],
+        WARMUP + len(phases) * steps + 1,
+        callback=callback,
+        options=options,
+    )
     bandwidth = (bandwidth_before + measure_read_bandwidth()) / 2
     fast = full_cache_bytes(model) if full else result.stats["fast_tier_bytes"]
     ram_bytes = weight_bytes(model) + cache.step_bytes([length + WARMUP + steps])
@@ -142,13 +186,28 @@ def run_one(model, method: str, overlap: bool, length: int, steps: int, slow_tie
         first = WARMUP + i * steps
         seconds = statistics.median(starts[j + 1] - ends[j] for j in range(first, first + steps))
         read = 0 if full else (marks[first + steps]["read"] - marks[first]["read"]) / steps
-        cpu = {kind: (marks[first + steps][kind] - marks[first][kind]) / steps for kind in ("user", "system")}
-        rows.append(dict(length=length, method=method + ("" if full else ("" if overlap else ", fetch waited")),
-                         overlap=overlap, cache=phase if not full else "RAM", ms_per_step=1e3 * seconds,
-                         rss=marks[first + steps]["rss"], fast=fast, slow=0 if full else cache.folder.nbytes(),
-                         disk_read=read, page_cache=marks[first]["cached"] if phase == "warm" else 0,
-                         gbps=ram_bytes / seconds / 1e9, bandwidth=bandwidth, user_cpu=cpu["user"],
-                         system_cpu=cpu["system"]))
+        cpu = {
+            kind: (marks[first + steps][kind] - marks[first][kind]) / steps
+            for kind in ("user", "system")
+        }
+        rows.append(
+            dict(
+                length=length,
+                method=method + ("" if full else ("" if overlap else ", fetch waited")),
+                overlap=overlap,
+                cache=phase if not full else "RAM",
+                ms_per_step=1e3 * seconds,
+                rss=marks[first + steps]["rss"],
+                fast=fast,
+                slow=0 if full else cache.folder.nbytes(),
+                disk_read=read,
+                page_cache=marks[first]["cached"] if phase == "warm" else 0,
+                gbps=ram_bytes / seconds / 1e9,
+                bandwidth=bandwidth,
+                user_cpu=cpu["user"],
+                system_cpu=cpu["system"],
+            )
+        )
     release_caches(model)
     return rows
 
@@ -158,45 +217,79 @@ def try_full_cache(model, length: int) -> str:
     process limited to this machine's memory (Linux overcommits, so an allocation in this one would
     succeed and filling it would be killed)."""
     c = model.config
-    cache_bytes = 2 * c.n_layer * c.n_local_heads * c.head_dim * length * model.tok_embeddings.weight.element_size()
-    code = ("import resource, torch; limit = %d; resource.setrlimit(resource.RLIMIT_AS, (limit, limit)); "
-            "weights = torch.empty(%d, dtype=torch.uint8); cache = torch.empty(%d, dtype=torch.uint8)"
-            % (mem_total(), weight_bytes(model), cache_bytes))
+    cache_bytes = (
+        2
+        * c.n_layer
+        * c.n_local_heads
+        * c.head_dim
+        * length
+        * model.tok_embeddings.weight.element_size()
+    )
+    code = (
+        "import resource, torch; limit = %d; resource.setrlimit(resource.RLIMIT_AS, (limit, "
+        "limit)); "
+        "weights = torch.empty(%d, dtype=torch.uint8); cache = torch.empty(%d, dtype=torch.uint8)"
+        % (mem_total(), weight_bytes(model), cache_bytes)
+    )
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if child.returncode == 0:
         return f"the full cache ({cache_bytes / 1e9:.1f} GB) fits beside the weights"
-    error = next((line for line in reversed(child.stderr.splitlines()) if "Error" in line), child.stderr[-200:])
-    return (f"the full cache at {length} tokens ({cache_bytes / 1e9:.1f} GB of K and V, beside "
-            f"{weight_bytes(model) / 1e9:.1f} GB of weights, in {mem_total() / 2**30:.1f} GiB of RAM) cannot be "
-            f"allocated: {error.strip()}")
+    error = next(
+        (line for line in reversed(child.stderr.splitlines()) if "Error" in line),
+        child.stderr[-200:],
+    )
+    return (
+        f"the full cache at {length} tokens ({cache_bytes / 1e9:.1f} GB of K and V, beside "
+        f"{weight_bytes(model) / 1e9:.1f} GB of weights, in {mem_total() / 2**30:.1f} GiB of RAM) "
+        "cannot be "
+        f"allocated: {error.strip()}"
+    )
 
 
 def table(rows: list[dict], title: str) -> str:
-    lines = [title, "", "| context | method | pages | ms/step | tok/s | resident GB | fast-tier MB | slow tier GB "
-             "(disk) | read from disk MB/step | store in page cache GB | CPU s/step: user, system | RAM GB/s | % of bw |",
-             "|---" * 13 + "|"]
+    lines = [
+        title,
+        "",
+        "| context | method | pages | ms/step | tok/s | resident GB | fast-tier MB | slow tier GB "
+        "(disk) | read from disk MB/step | store in page cache GB | CPU s/step: user, system | RAM "
+        "GB/s | % of bw |",
+        "|---" * 13 + "|",
+    ]
     for r in rows:
-        lines.append(f"| {r['length']} | {r['method']} | {r['cache']} | {r['ms_per_step']:.0f} | "
-                     f"{1e3 / r['ms_per_step']:.2f} | {r['rss'] / 1e9:.2f} | {r['fast'] / 1e6:.0f} | "
-                     f"{r['slow'] / 1e9:.1f} | {r['disk_read'] / 1e6:.1f} | {r['page_cache'] / 1e9:.1f} | "
-                     f"{r['user_cpu']:.2f}, {r['system_cpu']:.2f} | "
-                     f"{r['gbps']:.1f} | {100 * r['gbps'] / r['bandwidth']:.0f}% |")
+        lines.append(
+            f"| {r['length']} | {r['method']} | {r['cache']} | {r['ms_per_step']:.0f} | "
+            f"{1e3 / r['ms_per_step']:.2f} | {r['rss'] / 1e9:.2f} | {r['fast'] / 1e6:.0f} | "
+            f"{r['slow'] / 1e9:.1f} | {r['disk_read'] / 1e6:.1f} | {r['page_cache'] / 1e9:.1f} | "
+            f"{r['user_cpu']:.2f}, {r['system_cpu']:.2f} | "
+            f"{r['gbps']:.1f} | {100 * r['gbps'] / r['bandwidth']:.0f}% |"
+        )
     return "\n".join(lines)
 
 
 def ratios(rows: list[dict]) -> str:
-    """Speculative over non-speculative, and overlapped over waited, per context and page-cache state."""
+    """Speculative over non-speculative, and overlapped over waited, per context and page-cache
+    state."""
     find = {(r["length"], r["method"], r["cache"]): r["ms_per_step"] for r in rows}
-    lines = ["| context | pages | ours over non-speculative | paper over non-speculative | ours: overlapped over "
-             "waited | paper: overlapped over waited |", "|---|---|---|---|---|---|"]
-    for length, cache in dict.fromkeys((r["length"], r["cache"]) for r in rows if r["cache"] != "RAM"):
+    lines = [
+        "| context | pages | ours over non-speculative | paper over non-speculative | ours: "
+        "overlapped over "
+        "waited | paper: overlapped over waited |",
+        "|---|---|---|---|---|---|",
+    ]
+    for length, cache in dict.fromkeys(
+        (r["length"], r["cache"]) for r in rows if r["cache"] != "RAM"
+    ):
+
         def speedup(slow: str, fast: str) -> str:
             a, b = find.get((length, slow, cache)), find.get((length, fast, cache))
             return "-" if a is None or b is None else f"{a / b:.2f}x"
-        lines.append(f"| {length} | {cache} | {speedup('specache-nospec-1bit', 'specache-1bit')} | "
-                     f"{speedup('specache-nospec-1bit', 'specache-1bit:paper')} | "
-                     f"{speedup('specache-1bit, fetch waited', 'specache-1bit')} | "
-                     f"{speedup('specache-1bit:paper, fetch waited', 'specache-1bit:paper')} |")
+
+        lines.append(
+            f"| {length} | {cache} | {speedup('specache-nospec-1bit', 'specache-1bit')} | "
+            f"{speedup('specache-nospec-1bit', 'specache-1bit:paper')} | "
+            f"{speedup('specache-1bit, fetch waited', 'specache-1bit')} | "
+            f"{speedup('specache-1bit:paper, fetch waited', 'specache-1bit:paper')} |"
+        )
     return "Speed-ups (ms/step of the first over the second, same run):\n\n" + "\n".join(lines)
 
 
@@ -216,8 +309,11 @@ def layout_bench(folder: str, repeats: int = 5) -> str:
     files = {}
     for layout in ("position-major", "per-head planes"):
         path = os.path.join(folder, layout.replace(" ", "-"))
-        (data if layout == "position-major" else data.view(length, heads, pair).transpose(0, 1).contiguous()) \
-            .numpy().tofile(path)
+        (
+            data
+            if layout == "position-major"
+            else data.view(length, heads, pair).transpose(0, 1).contiguous()
+        ).numpy().tofile(path)
         files[layout] = os.open(path, os.O_RDONLY)
     pool = ThreadPoolExecutor(IO_THREADS)
 
@@ -252,13 +348,18 @@ def layout_bench(folder: str, repeats: int = 5) -> str:
         mapping = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
         mapping.madvise(mmap.MADV_RANDOM)
         view = torch.frombuffer(mapping, dtype=torch.uint8).view(-1, size)
-        for future in [pool.submit(torch.index_select, view, 0, part) for part in rows.chunk(IO_THREADS)]:
+        for future in [
+            pool.submit(torch.index_select, view, 0, part) for part in rows.chunk(IO_THREADS)
+        ]:
             future.result()
         del view
         mapping.close()
         return len(rows)
 
-    lines = ["| heads pick | layout | read with | reads (runs or rows) | KiB read | cold µs | warm µs |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| heads pick | layout | read with | reads (runs or rows) | KiB read | cold µs | warm µs |",
+        "|---|---|---|---|---|---|---|",
+    ]
     g = torch.Generator().manual_seed(0)
     for pattern in ("different positions", "the same positions"):
         for layout, fd in files.items():
@@ -276,30 +377,63 @@ def layout_bench(folder: str, repeats: int = 5) -> str:
                     method(fd, rows, size)
                     warm.append(time.perf_counter() - t0)
                 kib = len(rows) * size / 1024
-                lines.append(f"| {pattern} | {layout} | {name} | {reads} | {kib:.0f} | "
-                             f"{1e6 * statistics.median(cold):.0f} | {1e6 * statistics.median(warm):.0f} |")
+                lines.append(
+                    f"| {pattern} | {layout} | {name} | {reads} | {kib:.0f} | "
+                    f"{1e6 * statistics.median(cold):.0f} | {1e6 * statistics.median(warm):.0f} |"
+                )
     for fd in files.values():
         os.close(fd)
-    return ("One layer's fetch: 8 KV heads x 64 of 131072 positions, Llama-3-8B layer (bf16 pairs), "
-            f"{IO_THREADS} I/O threads, median of {repeats}; cold: the file's pages dropped first.\n\n" + "\n".join(lines))
+    return (
+        "One layer's fetch: 8 KV heads x 64 of 131072 positions, Llama-3-8B layer (bf16 pairs), "
+        f"{IO_THREADS} I/O threads, median of {repeats}; cold: the file's pages dropped first.\n\n"
+        + "\n".join(lines)
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="Meta-Llama-3-8B", choices=list(transformer_configs),
-                        help="the shape (config.py), with random int8 weights")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model",
+        default="Meta-Llama-3-8B",
+        choices=list(transformer_configs),
+        help="the shape (config.py), with random int8 weights",
+    )
     parser.add_argument("--lengths", type=int, nargs="+", default=[65536, 131072])
-    parser.add_argument("--steps", type=int, default=6, help="decode steps timed warm, and again cold")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
-                        help="activations and the embedding (weights are int8)")
-    parser.add_argument("--no_full", action="store_true", help="skip the full cache even where it fits")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch's compute threads (default: torch's, the cores); fewer leave cores to the I/O")
-    parser.add_argument("--slow_tier_dir", default=None, help="where the disk tier's files go (default: temp)")
-    parser.add_argument("--layout", action="store_true", help="time the file layouts and read methods instead")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "disk", help="where the report files go")
+    parser.add_argument(
+        "--steps", type=int, default=6, help="decode steps timed warm, and again cold"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["float32", "bfloat16"],
+        help="activations and the embedding (weights are int8)",
+    )
+    parser.add_argument(
+        "--no_full", action="store_true", help="skip the full cache even where it fits"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch's compute threads (default: torch's, the cores); fewer leave cores to the I/O",
+    )
+    parser.add_argument(
+        "--slow_tier_dir", default=None, help="where the disk tier's files go (default: temp)"
+    )
+    parser.add_argument(
+        "--layout", action="store_true", help="time the file layouts and read methods instead"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS_DIR / "disk", help="where the report files go"
+    )
     args = parser.parse_args()
-    for name in ("SIGTERM", "SIGHUP"):  # a plain kill exits cleanly: the disk tier's files (GBs) go with it
+    # a plain kill exits cleanly: the disk tier's files (GBs) go with it
+    for name in (
+        "SIGTERM",
+        "SIGHUP",
+    ):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), exit_on_signal)
     torch.set_grad_enabled(False)
@@ -313,24 +447,38 @@ def main() -> None:
         write_report(args.out, "layout", markdown, dict(table=markdown))
         return
     model = random_model(args.model, torch.device("cpu"), getattr(torch, args.dtype), int8=True)
-    print(f"{args.model} shape, random int8 weights: {weight_bytes(model) / 1e9:.2f} GB; resident "
-          f"{resident_bytes() / 1e9:.2f} GB; read bandwidth {measure_read_bandwidth():.1f} GB/s", file=sys.stderr)
+    print(
+        f"{args.model} shape, random int8 weights: {weight_bytes(model) / 1e9:.2f} GB; resident "
+        f"{resident_bytes() / 1e9:.2f} GB; read bandwidth {measure_read_bandwidth():.1f} GB/s",
+        file=sys.stderr,
+    )
     rows, notes = [], []
     for length in args.lengths:
         fits = try_full_cache(model, length)
         notes.append(f"- {length} tokens: {fits}.")
         print(notes[-1], file=sys.stderr)
-        methods = METHODS + ([("full", True)] if fits.endswith("beside the weights") and not args.no_full else [])
+        methods = METHODS + (
+            [("full", True)] if fits.endswith("beside the weights") and not args.no_full else []
+        )
         for method, overlap in methods:
             for row in run_one(model, method, overlap, length, args.steps, args.slow_tier_dir):
                 rows.append(row)
-                print(f"  {length} {row['method']} {row['cache']}: {row['ms_per_step']:.0f} ms/step, "
-                      f"{row['disk_read'] / 1e6:.1f} MB/step from disk, resident {row['rss'] / 1e9:.2f} GB",
-                      file=sys.stderr)
-    title = (f"SpeCache 1-bit, slow tier on disk: {args.model} shape, random int8 weights, {args.dtype} activations, "
-             f"synthetic K and V (speed only), batch 1, k = 64, eager, {torch.get_num_threads()} CPU threads, "
-             f"{IO_THREADS} I/O threads; {args.steps} steps timed warm, then cold.")
-    markdown = "\n\n".join([table(rows, title), ratios(rows), "The full cache:\n\n" + "\n".join(notes)])
+                print(
+                    f"  {length} {row['method']} {row['cache']}: {row['ms_per_step']:.0f} ms/step, "
+                    f"{row['disk_read'] / 1e6:.1f} MB/step from disk, resident "
+                    f"{row['rss'] / 1e9:.2f} GB",
+                    file=sys.stderr,
+                )
+    title = (
+        f"SpeCache 1-bit, slow tier on disk: {args.model} shape, random int8 weights, {args.dtype} "
+        "activations, "
+        f"synthetic K and V (speed only), batch 1, k = 64, eager, {torch.get_num_threads()} CPU "
+        "threads, "
+        f"{IO_THREADS} I/O threads; {args.steps} steps timed warm, then cold."
+    )
+    markdown = "\n\n".join(
+        [table(rows, title), ratios(rows), "The full cache:\n\n" + "\n".join(notes)]
+    )
     print(markdown)
     write_report(args.out, "bench_disk", markdown, dict(rows=rows, full_cache=notes))
 

@@ -14,6 +14,7 @@ method is checked against the reference before it is timed; times are the fastes
 calls (the reference gets a tenth as many), on --threads threads (torch's count by default). The
 kernel reads few bytes per flop, so its GB/s shows how far it is from memory bound, not a limit.
 """
+
 import argparse
 import sys
 import time
@@ -34,11 +35,25 @@ def make_inputs(t: int, n_kv: int, m: int, d: int, bits: int):
     g = torch.Generator().manual_seed(t)
     k = torch.randn(1, n_kv, t, d, generator=g) * torch.linspace(0.2, 4, d)
     v = torch.randn(1, n_kv, t, d, generator=g)
-    kv = LowBitKV(*quantize_keys(k, bits, GROUP, torch.float16), *quantize_values(v, bits, GROUP, torch.float16),
-                  bits, GROUP)
-    rows = torch.randn(1, n_kv, m, d, generator=g) * d ** -0.5
-    excluded = torch.stack([torch.randperm(t, generator=g)[:EXCLUDED] for _ in range(n_kv)]).unsqueeze(0)
-    return rows, *kv[:6], bits, GROUP, torch.tensor([t]), excluded, torch.ones_like(excluded, dtype=torch.bool)
+    kv = LowBitKV(
+        *quantize_keys(k, bits, GROUP, torch.float16),
+        *quantize_values(v, bits, GROUP, torch.float16),
+        bits,
+        GROUP,
+    )
+    rows = torch.randn(1, n_kv, m, d, generator=g) * d**-0.5
+    excluded = torch.stack(
+        [torch.randperm(t, generator=g)[:EXCLUDED] for _ in range(n_kv)]
+    ).unsqueeze(0)
+    return (
+        rows,
+        *kv[:6],
+        bits,
+        GROUP,
+        torch.tensor([t]),
+        excluded,
+        torch.ones_like(excluded, dtype=torch.bool),
+    )
 
 
 def time_call(fn, *args, repeats: int) -> float:
@@ -53,7 +68,8 @@ def time_call(fn, *args, repeats: int) -> float:
 
 
 def check(outputs, expected, tolerance: float) -> None:
-    """Each output within `tolerance` of the reference's largest magnitude (a row's out sums T terms)."""
+    """Each output within `tolerance` of the reference's largest magnitude (a row's out sums T
+    terms)."""
     for got, want in zip(outputs, expected):
         finite = want.isfinite()
         scale = want[finite].abs().max().item() if finite.any() else 1.0
@@ -61,7 +77,9 @@ def check(outputs, expected, tolerance: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 16384, 65536])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -71,8 +89,10 @@ def main() -> None:
     if not lowbit_cpu.register():
         raise SystemExit("the C kernel did not build (see the warning above)")
     kernel = torch.ops.specache.lowbit_partial_attention
-    print(f"\nbatch 1, group {GROUP}, fp16 scales, {EXCLUDED} excluded per KV head, "
-          f"{torch.get_num_threads()} threads\n")
+    print(
+        f"\nbatch 1, group {GROUP}, fp16 scales, {EXCLUDED} excluded per KV head, "
+        f"{torch.get_num_threads()} threads\n"
+    )
     print("| shape | bits | T | reference ms | kernel ms | kernel GB/s | vs reference |")
     print("|---|---|---|---|---|---|---|")
     for name, (n_kv, m, d) in SHAPES.items():
@@ -81,11 +101,16 @@ def main() -> None:
                 inputs = make_inputs(t, n_kv, m, d, bits)
                 expected = reference(*inputs)
                 check(kernel(*inputs), expected, 1e-5)
-                times = [time_call(reference, *inputs, repeats=max(1, args.repeats // 10)),
-                         time_call(kernel, *inputs, repeats=args.repeats)]
+                times = [
+                    time_call(reference, *inputs, repeats=max(1, args.repeats // 10)),
+                    time_call(kernel, *inputs, repeats=args.repeats),
+                ]
                 packed_bytes = sum(x.nbytes for x in inputs[1:7])
-                print(f"| {name} | {bits} | {t} | {1e3 * times[0]:.2f} | {1e3 * times[1]:.3f} | "
-                      f"{packed_bytes / times[1] / 1e9:.1f} | {times[0] / times[1]:.0f}x |", flush=True)
+                print(
+                    f"| {name} | {bits} | {t} | {1e3 * times[0]:.2f} | {1e3 * times[1]:.3f} | "
+                    f"{packed_bytes / times[1] / 1e9:.1f} | {times[0] / times[1]:.0f}x |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 Needs network access to the Hugging Face hub (gated models need a token). The project's default
 model needs none of this: generate.py prepares it offline.
 """
+
 import argparse
 import sys
 from pathlib import Path
@@ -18,8 +19,12 @@ from convert import convert_hf_checkpoint  # noqa: E402
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "original/tokenizer.model", "*.txt"]
 
 
-def download(repo_id: str, checkpoint_root: Path = Path("checkpoints"), hf_token: Optional[str] = None,
-             convert: bool = True) -> Path:
+def download(
+    repo_id: str,
+    checkpoint_root: Path = Path("checkpoints"),
+    hf_token: Optional[str] = None,
+    convert: bool = True,
+) -> Path:
     from huggingface_hub import list_repo_files, snapshot_download
 
     checkpoint_dir = checkpoint_root / repo_id
@@ -34,8 +39,12 @@ def download(repo_id: str, checkpoint_root: Path = Path("checkpoints"), hf_token
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repo_id", required=True, help="HF repository, e.g. HuggingFaceTB/SmolLM2-360M-Instruct")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--repo_id", required=True, help="HF repository, e.g. HuggingFaceTB/SmolLM2-360M-Instruct"
+    )
     parser.add_argument("--hf_token", default=None, help="HF access token for gated models")
     parser.add_argument("--checkpoint_root", type=Path, default=Path("checkpoints"))
     parser.add_argument("--no_convert", action="store_true", help="download only")

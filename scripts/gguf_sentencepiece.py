@@ -3,6 +3,7 @@ convert.build_sentencepiece_model for how.
 
     python scripts/gguf_sentencepiece.py model.gguf checkpoints/google/gemma-3-270m/tokenizer.model
 """
+
 import argparse
 import sys
 from pathlib import Path
@@ -12,7 +13,8 @@ from convert import build_sentencepiece_model  # noqa: E402
 
 
 def write_sentencepiece_model(reader, path: Path) -> Path:
-    """Write the rebuilt tokenizer.model to `path` (e.g. a checkpoint directory's tokenizer.model)."""
+    """Write the rebuilt tokenizer.model to `path` (e.g. a checkpoint directory's
+    tokenizer.model)."""
     path = Path(path)
     path.write_bytes(build_sentencepiece_model(reader))
     return path

@@ -17,6 +17,7 @@ With --compile, decode steps run compiled (the full cache with FlexAttention, as
 each method and cache capacity is a graph of its own, so capacities are rounded up to a multiple of
 1024 tokens and prompts of similar length share them.
 """
+
 import argparse
 import json
 import re
@@ -32,15 +33,36 @@ import torch.nn as nn
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from caches import LOW_BIT_KINDS, equal_budget_tokens, flex_attention_available, make_cache, parse_method  # noqa: E402
+from caches import (
+    LOW_BIT_KINDS,
+    equal_budget_tokens,
+    flex_attention_available,
+    make_cache,
+    parse_method,
+)  # noqa: E402
 from checkpoint import load_model, resolve_checkpoint  # noqa: E402
 from eviction import prompt_attention_mass  # noqa: E402
-from generate import COMPILED_CAPACITY_STEP, GenerateOptions, GenerationResult, compile_decode, generate, prefill  # noqa: E402
+from generate import (
+    COMPILED_CAPACITY_STEP,
+    GenerateOptions,
+    GenerationResult,
+    compile_decode,
+    generate,
+    prefill,
+)  # noqa: E402
 from model import Transformer, prompt_attention  # noqa: E402
 from specache import Method, SpeCacheConfig  # noqa: E402
 from tokenizer import Tokenizer, get_tokenizer  # noqa: E402
 
-DEFAULT_METHODS = ("full", "specache-1bit", "specache-2bit", "kivi-1bit", "kivi-2bit", "streaming", "h2o")
+DEFAULT_METHODS = (
+    "full",
+    "specache-1bit",
+    "specache-2bit",
+    "kivi-1bit",
+    "kivi-2bit",
+    "streaming",
+    "h2o",
+)
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 
@@ -78,24 +100,42 @@ class Prefilled(NamedTuple):
 class Runner:
     """Greedy generation of one prompt with every method, sharing the prefill."""
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, methods: list[str], topk: int = 64,
-                 budget_bits: int = 1, sink_tokens: int = 4, compile: bool = False, round_capacity: bool = True,
-                 chat: bool = True, stats: bool = False, whole_step: bool = False):
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        methods: list[str],
+        topk: int = 64,
+        budget_bits: int = 1,
+        sink_tokens: int = 4,
+        compile: bool = False,
+        round_capacity: bool = True,
+        chat: bool = True,
+        stats: bool = False,
+        whole_step: bool = False,
+    ):
         self.model, self.tokenizer, self.methods = model, tokenizer, list(methods)
         self.kinds = {method: parse_method(method) for method in methods}  # (kind, bits, selection)
-        self.chat = chat  # the scripts' prompts: the chat format, or completion prompts for a base model
+        self.chat = (
+            chat  # the scripts' prompts: the chat format, or completion prompts for a base model
+        )
         self.topk, self.budget_bits, self.sink_tokens = topk, budget_bits, sink_tokens
         self.stats = stats  # SpeCache's diagnostics (recall, coverage), at the cost of extra passes
         self.stop_ids = frozenset(tokenizer.stop_ids)
         self.compiled = compile
         self.capacity_step = COMPILED_CAPACITY_STEP if compile and round_capacity else 1
-        if compile:  # one compiled layer serves every method (split its graph if any method's step must),
-            # or with `whole_step` on a CPU each method's whole step (minutes of compiling per method and capacity)
+        # one compiled layer serves every method (split its graph if any method's step must),
+        if compile:
+            # or with `whole_step` on a CPU each method's whole step (minutes of compiling per
+            # method and capacity)
             device = model.tok_embeddings.weight.device
             # beside a GPU, SpeCache hands its fetches over at graph breaks around each layer
             low_bit = any(kind in LOW_BIT_KINDS for kind, _, _ in self.kinds.values())
-            compile_decode(model, fullgraph=not (low_bit and device.type == "cuda"),
-                           whole_step=whole_step and device.type == "cpu")
+            compile_decode(
+                model,
+                fullgraph=not (low_bit and device.type == "cuda"),
+                whole_step=whole_step and device.type == "cpu",
+            )
 
     def budget(self, capacity: int) -> int:
         config = SpeCacheConfig(Method(bits=self.budget_bits, topk=self.topk))
@@ -112,31 +152,47 @@ class Runner:
             result = self.decode(method, prompt, prefilled, max_new_tokens)
             new = result.tokens[0]
             text = self.tokenizer.decode([t for t in new if t not in self.stop_ids])
-            outputs[method] = MethodOutput(text, new, result.stats.get("fast_tier_bytes"), result.decode_seconds,
-                                           result.stats)
+            outputs[method] = MethodOutput(
+                text, new, result.stats.get("fast_tier_bytes"), result.decode_seconds, result.stats
+            )
         return outputs
 
     @torch.no_grad()
     def prefill(self, prompt: list[int], max_new_tokens: int) -> Prefilled:
         """The prompt through the model once, full precision, each layer's K and V recorded."""
         model = self.model
-        recorders = [PromptRecorder("h2o" in self.methods, layer.attention.window) for layer in model.layers]
+        recorders = [
+            PromptRecorder("h2o" in self.methods, layer.attention.window) for layer in model.layers
+        ]
         for layer, recorder in zip(model.layers, recorders):
             layer.attention.kv_cache = recorder
         model.setup_rope(self.capacity(prompt, max_new_tokens) + 1)
         device = model.tok_embeddings.weight.device
         t0 = time.perf_counter()
         with torch.compiler.set_stance("force_eager"):
-            first = prefill(model, torch.tensor([prompt], device=device), torch.tensor([len(prompt)], device=device),
-                            temperature=0)
+            first = prefill(
+                model,
+                torch.tensor([prompt], device=device),
+                torch.tensor([len(prompt)], device=device),
+                temperature=0,
+            )
         return Prefilled(first, recorders, time.perf_counter() - t0)
 
     @torch.no_grad()
-    def decode(self, method: str, prompt: list[int], prefilled: Prefilled, max_new_tokens: int,
-               batch_size: int = 1, overlap_fetch: bool = True,
-               callback: Optional[Callable[[Tensor], None]] = None, **cache_options) -> GenerationResult:
+    def decode(
+        self,
+        method: str,
+        prompt: list[int],
+        prefilled: Prefilled,
+        max_new_tokens: int,
+        batch_size: int = 1,
+        overlap_fetch: bool = True,
+        callback: Optional[Callable[[Tensor], None]] = None,
+        **cache_options,
+    ) -> GenerationResult:
         """Load the recorded prompt into `method`'s cache (`batch_size` copies of it) and decode
-        from the first token. `overlap_fetch=False`: SpeCache waits for each fetch as it starts (a GPU
+        from the first token. `overlap_fetch=False`: SpeCache waits for each fetch as it starts (a
+        GPU
         or the disk tier). `callback` gets each new token (B, 1), the first one included, as
         generate's does. `cache_options`: make_cache's (slow_tier, slow_tier_dir)."""
         model, capacity = self.model, self.capacity(prompt, max_new_tokens)
@@ -145,45 +201,109 @@ class Runner:
         # the eviction budget from SpeCache's fast tier at the true length (a capacity rounded up
         # for --compile would inflate it)
         budget = self.budget(len(prompt) + max_new_tokens) if kind in ("streaming", "h2o") else None
-        cache = make_cache(method, model, batch_size, capacity, topk=self.topk, stats=self.stats,
-                           overlap_fetch=overlap_fetch, budget_tokens=budget, sink_tokens=self.sink_tokens,
-                           use_flex=self.compiled and flex_attention_available(device), **cache_options)
+        cache = make_cache(
+            method,
+            model,
+            batch_size,
+            capacity,
+            topk=self.topk,
+            stats=self.stats,
+            overlap_fetch=overlap_fetch,
+            budget_tokens=budget,
+            sink_tokens=self.sink_tokens,
+            use_flex=self.compiled and flex_attention_available(device),
+            **cache_options,
+        )
         tokens = torch.tensor([prompt] * batch_size, device=device)
         cache.begin(tokens, torch.full((batch_size,), len(prompt), device=device))
-        cache.ingest([(rec.k.expand(batch_size, -1, -1, -1), rec.v.expand(batch_size, -1, -1, -1),
-                       None if rec.mass is None else rec.mass * batch_size) for rec in prefilled.recorders])
+        cache.ingest(
+            [
+                (
+                    rec.k.expand(batch_size, -1, -1, -1),
+                    rec.v.expand(batch_size, -1, -1, -1),
+                    None if rec.mass is None else rec.mass * batch_size,
+                )
+                for rec in prefilled.recorders
+            ]
+        )
         options = GenerateOptions(first_token=prefilled.first.expand(batch_size, 1))
-        return generate(model, cache, [prompt] * batch_size, max_new_tokens, stop_ids=self.stop_ids,
-                        options=options, **({} if callback is None else dict(callback=callback)))
+        return generate(
+            model,
+            cache,
+            [prompt] * batch_size,
+            max_new_tokens,
+            stop_ids=self.stop_ids,
+            options=options,
+            **({} if callback is None else dict(callback=callback)),
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags every evaluation script takes."""
     g = parser.add_argument_group("model and methods")
-    g.add_argument("--checkpoint", type=Path, default=None,
-                   help="model.pth (default: the embedded SmolLM2-135M-Instruct, prepared offline)")
-    g.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), type=method_argument, metavar="METHOD",
-                   help=f"caches to compare (default: {' '.join(DEFAULT_METHODS)}; also: "
-                        "specache-nospec-1bit specache-nospec-2bit). SpeCache and KIVI methods take a selection "
-                        "after a colon, as --specache_select names it: specache-1bit:paper is the paper's rule, "
-                        "specache-1bit:split,gqa-max the paper's rule with two changes; without one, SpeCache "
-                        "uses ours (default) and KIVI the paper's")
-    g.add_argument("--topk", type=int, default=64, help="SpeCache k: 16-bit pairs fetched per layer and KV head")
-    g.add_argument("--budget_bits", type=int, default=1, choices=(1, 2),
-                   help="streaming and h2o get the fast-tier bytes of SpeCache with this many bits (default 1)")
-    g.add_argument("--prompt_format", choices=("auto", "chat", "completion"), default="auto",
-                   help="chat: the model's chat format; completion: plain text ending where the answer starts, "
-                        "for base models; auto (default): chat when the checkpoint's directory name says "
-                        "Instruct, -it or chat, else completion")
-    g.add_argument("--stats", action="store_true",
-                   help="SpeCache's selection diagnostics in the tables and reports: recall of the fetched pairs "
-                        "against the real token's own low-bit and exact top-k, and the share of its exact attention "
-                        "read in 16 bits (extra scoring passes per layer)")
+    g.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="model.pth (default: the embedded SmolLM2-135M-Instruct, prepared offline)",
+    )
+    g.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(DEFAULT_METHODS),
+        type=method_argument,
+        metavar="METHOD",
+        help=f"caches to compare (default: {' '.join(DEFAULT_METHODS)}; also: "
+        "specache-nospec-1bit specache-nospec-2bit). SpeCache and KIVI methods take a selection "
+        "after a colon, as --specache_select names it: specache-1bit:paper is the paper's rule, "
+        "specache-1bit:split,gqa-max the paper's rule with two changes; without one, SpeCache "
+        "uses ours (default) and KIVI the paper's",
+    )
+    g.add_argument(
+        "--topk",
+        type=int,
+        default=64,
+        help="SpeCache k: 16-bit pairs fetched per layer and KV head",
+    )
+    g.add_argument(
+        "--budget_bits",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="streaming and h2o get the fast-tier bytes of SpeCache with this many bits "
+        "(default 1)",
+    )
+    g.add_argument(
+        "--prompt_format",
+        choices=("auto", "chat", "completion"),
+        default="auto",
+        help="chat: the model's chat format; completion: plain text ending where the answer "
+        "starts, "
+        "for base models; auto (default): chat when the checkpoint's directory name says "
+        "Instruct, -it or chat, else completion",
+    )
+    g.add_argument(
+        "--stats",
+        action="store_true",
+        help="SpeCache's selection diagnostics in the tables and reports: recall of the fetched "
+        "pairs "
+        "against the real token's own low-bit and exact top-k, and the share of its exact "
+        "attention "
+        "read in 16 bits (extra scoring passes per layer)",
+    )
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    g.add_argument("--compile", action="store_true",
-                   help="compile the decode steps (minutes of compiling first; pays off over many prompts)")
-    g.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the report files go (default docs/results)")
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the decode steps (minutes of compiling first; pays off over many prompts)",
+    )
+    g.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS_DIR,
+        help="where the report files go (default docs/results)",
+    )
 
 
 def method_argument(method: str) -> str:
@@ -199,8 +319,16 @@ def runner_from_args(args: argparse.Namespace) -> Runner:
     torch.set_grad_enabled(False)
     checkpoint = resolve_checkpoint(args.checkpoint)
     model = load_model(checkpoint, torch.device(args.device), getattr(torch, args.dtype))
-    return Runner(model, get_tokenizer(checkpoint.parent), args.methods, args.topk, args.budget_bits, stats=args.stats,
-                  compile=args.compile, chat=wants_chat(args.prompt_format, checkpoint.parent.name))
+    return Runner(
+        model,
+        get_tokenizer(checkpoint.parent),
+        args.methods,
+        args.topk,
+        args.budget_bits,
+        stats=args.stats,
+        compile=args.compile,
+        chat=wants_chat(args.prompt_format, checkpoint.parent.name),
+    )
 
 
 def wants_chat(prompt_format: str, model_name: str) -> bool:
@@ -211,16 +339,21 @@ def wants_chat(prompt_format: str, model_name: str) -> bool:
 
 
 def file_name(method: str) -> str:
-    """A method's name as a file name that Markdown links keep: specache-1bit:split,lloyd -> specache-1bit_split+lloyd."""
+    """A method's name as a file name that Markdown links keep: specache-1bit:split,lloyd ->
+    specache-1bit_split+lloyd."""
     return method.replace(":", "_").replace(",", "+").replace("=", "")
 
 
 def command_line() -> str:
-    return "python " + " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).as_posix()] + sys.argv[1:])
+    return "python " + " ".join(
+        shlex.quote(a) for a in [Path(sys.argv[0]).as_posix()] + sys.argv[1:]
+    )
 
 
 def write_report(out: Path, name: str, markdown: str, raw: dict) -> None:
     """{out}/{name}.md (the command that produced it, then the tables) and {out}/{name}.json."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(f"`{command_line()}`\n\n{markdown.strip()}\n", encoding="utf-8")
-    (out / f"{name}.json").write_text(json.dumps(dict(command=command_line(), **raw), indent=1), encoding="utf-8")
+    (out / f"{name}.json").write_text(
+        json.dumps(dict(command=command_line(), **raw), indent=1), encoding="utf-8"
+    )

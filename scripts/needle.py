@@ -1,4 +1,5 @@
-"""Needle-in-a-haystack sweep (Kamradt's protocol): context length x needle depth, several KV caches.
+"""Needle-in-a-haystack sweep (Kamradt's protocol): context length x needle depth, several KV
+caches.
 
     python scripts/needle.py                       # 1k-4k x 0-100% depth, the 7 default methods
     python scripts/needle.py --quick               # 2k and 4k x 0/50/100%
@@ -14,6 +15,7 @@ sentence by the reply, as kvpress reports it.
 Writes {out}/needle.md (tables), {out}/needle.json (every reply) and {out}/needle_<method>.png
 (depth x length heatmaps, green = found).
 """
+
 import argparse
 import sys
 import time
@@ -42,15 +44,28 @@ def sweep(runner, lengths: list[int], depths: list[float], new_tokens: int) -> l
     for length, depth in tqdm(cells, desc="needle cells", file=sys.stderr):
         prompt = needle_prompt(runner.tokenizer, length, depth, chat=runner.chat)
         for method, out in runner.run(prompt, new_tokens).items():
-            rows.append(dict(length=length, depth=depth, prompt_tokens=len(prompt), method=method, reply=out.text,
-                             found=answered(out.text), rouge1_recall=rouge1_recall(out.text),
-                             fast_tier_bytes=out.fast_tier_bytes, stats=out.stats))
+            rows.append(
+                dict(
+                    length=length,
+                    depth=depth,
+                    prompt_tokens=len(prompt),
+                    method=method,
+                    reply=out.text,
+                    found=answered(out.text),
+                    rouge1_recall=rouge1_recall(out.text),
+                    fast_tier_bytes=out.fast_tier_bytes,
+                    stats=out.stats,
+                )
+            )
     return rows
 
 
 def mean_stat(rows: list[dict], key: str, diagnostic: bool = False):
     """The mean of a SpeCache statistic over rows (None where a method does not report it)."""
-    values = [(r["stats"].get("diagnostics") or {}).get(key) if diagnostic else r["stats"].get(key) for r in rows]
+    values = [
+        (r["stats"].get("diagnostics") or {}).get(key) if diagnostic else r["stats"].get(key)
+        for r in rows
+    ]
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
 
@@ -59,13 +74,23 @@ def tables(rows: list[dict], methods: list[str], lengths: list[int], depths: lis
     """Per method: needles found per length and overall, mean ROUGE-1 recall, fast-tier size, and
     SpeCache's selection statistics (the diagnostics with --stats)."""
     diagnostics = any("diagnostics" in r["stats"] for r in rows)
-    extra = ["spec. token right", "fetched kB/token"] + (["coverage", "oracle coverage", "recall (own low-bit)",
-                                                          "recall (exact)"] if diagnostics else [])
-    lines = ["| method | fast tier (x 16-bit) at the longest | "
-             + " | ".join(f"found @{length}" for length in lengths) + " | found | ROUGE-1 recall | "
-             + " | ".join(extra) + " |",
-             "|---" * (len(lengths) + 4 + len(extra)) + "|"]
-    percent = lambda x: "-" if x is None else f"{100 * x:.0f}%"
+    extra = ["spec. token right", "fetched kB/token"] + (
+        ["coverage", "oracle coverage", "recall (own low-bit)", "recall (exact)"]
+        if diagnostics
+        else []
+    )
+    lines = [
+        "| method | fast tier (x 16-bit) at the longest | "
+        + " | ".join(f"found @{length}" for length in lengths)
+        + " | found | ROUGE-1 recall | "
+        + " | ".join(extra)
+        + " |",
+        "|---" * (len(lengths) + 4 + len(extra)) + "|",
+    ]
+
+    def percent(x):
+        return "-" if x is None else f"{100 * x:.0f}%"
+
     for method in methods:
         mine = [r for r in rows if r["method"] == method]
         longest = next(r for r in mine if r["length"] == max(lengths))["stats"]
@@ -73,17 +98,28 @@ def tables(rows: list[dict], methods: list[str], lengths: list[int], depths: lis
         per_length = [sum(r["found"] for r in mine if r["length"] == length) for length in lengths]
         recall = sum(r["rouge1_recall"] for r in mine) / len(mine)
         fetched = mean_stat(mine, "bytes_fetched_per_token")
-        cells = [percent(mean_stat(mine, "speculative_match_rate")), "-" if fetched is None else f"{fetched / 1e3:.0f}"]
+        cells = [
+            percent(mean_stat(mine, "speculative_match_rate")),
+            "-" if fetched is None else f"{fetched / 1e3:.0f}",
+        ]
         if diagnostics:
-            cells += [percent(mean_stat(mine, key, diagnostic=True))
-                      for key in ("coverage", "oracle_coverage", "recall_own_lowbit", "recall_exact")]
-        lines.append(f"| {method} | {'1' if ratio is None else f'{ratio:.3f}'} | "
-                     + " | ".join(f"{n}/{len(depths)}" for n in per_length)
-                     + f" | {sum(per_length)}/{len(mine)} | {recall:.2f} | " + " | ".join(cells) + " |")
+            cells += [
+                percent(mean_stat(mine, key, diagnostic=True))
+                for key in ("coverage", "oracle_coverage", "recall_own_lowbit", "recall_exact")
+            ]
+        lines.append(
+            f"| {method} | {'1' if ratio is None else f'{ratio:.3f}'} | "
+            + " | ".join(f"{n}/{len(depths)}" for n in per_length)
+            + f" | {sum(per_length)}/{len(mine)} | {recall:.2f} | "
+            + " | ".join(cells)
+            + " |"
+        )
     return "\n".join(lines)
 
 
-def heatmap(rows: list[dict], method: str, lengths: list[int], depths: list[float], path: Path) -> None:
+def heatmap(
+    rows: list[dict], method: str, lengths: list[int], depths: list[float], path: Path
+) -> None:
     """Kamradt's layout: depth down, length across; color = ROUGE-1 recall, a dot = answer found."""
     import matplotlib
 
@@ -99,7 +135,14 @@ def heatmap(rows: list[dict], method: str, lengths: list[int], depths: list[floa
     for i, depth in enumerate(depths):
         for j, length in enumerate(lengths):
             found = cell[(length, depth)]["found"]
-            ax.text(j, i, f"{grid[i][j]:.2f}" + (" *" if found else ""), ha="center", va="center", fontsize=8)
+            ax.text(
+                j,
+                i,
+                f"{grid[i][j]:.2f}" + (" *" if found else ""),
+                ha="center",
+                va="center",
+                fontsize=8,
+            )
     ax.set_xticks(range(len(lengths)), [str(length) for length in lengths])
     ax.set_yticks(range(len(depths)), [f"{depth:g}%" for depth in depths])
     ax.set_xlabel("context length (tokens)")
@@ -122,12 +165,18 @@ def coverage_plot(rows: list[dict], methods: list[str], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for method in methods:
-        per_layer = [r["stats"]["diagnostics"]["per_layer"] for r in rows
-                     if r["method"] == method and "diagnostics" in r["stats"]]
+        per_layer = [
+            r["stats"]["diagnostics"]["per_layer"]
+            for r in rows
+            if r["method"] == method and "diagnostics" in r["stats"]
+        ]
         if not per_layer:
             continue
-        mean = lambda key: [sum(x) / len(x) for x in zip(*(p[key] for p in per_layer))]
-        line, = ax.plot(mean("coverage"), marker="o", markersize=3, label=method)
+
+        def mean(key):
+            return [sum(x) / len(x) for x in zip(*(p[key] for p in per_layer))]
+
+        (line,) = ax.plot(mean("coverage"), marker="o", markersize=3, label=method)
         ax.plot(mean("oracle_coverage"), linestyle="--", color=line.get_color(), linewidth=1)
     ax.set_xlabel("layer (SpeCache layers, in order)")
     ax.set_ylabel("exact attention mass read in 16 bits")
@@ -140,16 +189,36 @@ def coverage_plot(rows: list[dict], methods: list[str], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=None,
-                        help=f"haystack lengths in tokens (default {' '.join(map(str, DEFAULT_LENGTHS))})")
-    parser.add_argument("--depths", type=float, nargs="+", default=None,
-                        help=f"needle depths in percent (default {' '.join(map(str, DEFAULT_DEPTHS))})")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"lengths {QUICK_LENGTHS} x depths {QUICK_DEPTHS} (a third of the default grid)")
-    parser.add_argument("--new_tokens", type=int, default=32, help="reply length cap (the answer takes ~25)")
-    parser.add_argument("--plot_coverage", action="store_true",
-                        help="with --stats: plot each SpeCache method's coverage per layer (coverage_by_layer.png)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=None,
+        help=f"haystack lengths in tokens (default {' '.join(map(str, DEFAULT_LENGTHS))})",
+    )
+    parser.add_argument(
+        "--depths",
+        type=float,
+        nargs="+",
+        default=None,
+        help=f"needle depths in percent (default {' '.join(map(str, DEFAULT_DEPTHS))})",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"lengths {QUICK_LENGTHS} x depths {QUICK_DEPTHS} (a third of the default grid)",
+    )
+    parser.add_argument(
+        "--new_tokens", type=int, default=32, help="reply length cap (the answer takes ~25)"
+    )
+    parser.add_argument(
+        "--plot_coverage",
+        action="store_true",
+        help="with --stats: plot each SpeCache method's coverage per layer (coverage_by_layer.png)",
+    )
     add_arguments(parser)
     args = parser.parse_args()
     if args.plot_coverage and not args.stats:
@@ -161,14 +230,23 @@ def main() -> None:
     t0 = time.perf_counter()
     rows = sweep(runner, lengths, depths, args.new_tokens)
     minutes = (time.perf_counter() - t0) / 60
-    markdown = (f"{len(lengths)} lengths x {len(depths)} depths, {len(runner.methods)} methods, greedy, "
-                f"{args.new_tokens} new tokens, k = {args.topk}; streaming and h2o at the fast-tier bytes of "
-                f"SpeCache {args.budget_bits}-bit. Wall-clock {minutes:.1f} min.\n\n"
-                + tables(rows, runner.methods, lengths, depths) + "\n\n"
-                + " ".join(f"![{m}](needle_{file_name(m)}.png)" for m in runner.methods)
-                + ("\n\n![coverage by layer](coverage_by_layer.png)" if args.plot_coverage else ""))
+    markdown = (
+        f"{len(lengths)} lengths x {len(depths)} depths, {len(runner.methods)} methods, greedy, "
+        f"{args.new_tokens} new tokens, k = {args.topk}; streaming and h2o at the fast-tier bytes "
+        "of "
+        f"SpeCache {args.budget_bits}-bit. Wall-clock {minutes:.1f} min.\n\n"
+        + tables(rows, runner.methods, lengths, depths)
+        + "\n\n"
+        + " ".join(f"![{m}](needle_{file_name(m)}.png)" for m in runner.methods)
+        + ("\n\n![coverage by layer](coverage_by_layer.png)" if args.plot_coverage else "")
+    )
     print(markdown)
-    write_report(args.out, "needle", markdown, dict(lengths=lengths, depths=depths, minutes=minutes, rows=rows))
+    write_report(
+        args.out,
+        "needle",
+        markdown,
+        dict(lengths=lengths, depths=depths, minutes=minutes, rows=rows),
+    )
     for method in runner.methods:
         heatmap(rows, method, lengths, depths, args.out / f"needle_{file_name(method)}.png")
     if args.plot_coverage:

@@ -1,9 +1,11 @@
 """Where a compiled decode step's time goes, by part, from torch.profiler.
 
-    python scripts/profile_step.py --checkpoint checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/model_int8.pth \\
+    python scripts/profile_step.py --checkpoint \
+        checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/model_int8.pth \\
         --length 1024 --methods full-16bit specache-1bit specache-1bit:paper
 
-Per length and method: one random-token prompt of that many tokens prefilled (as scripts/bench.py does), the
+Per length and method: one random-token prompt of that many tokens prefilled (as scripts/bench.py
+does), the
 decode step compiled whole (or per block with --compile_per_block), warmed up, then --steps steps
 timed without the profiler (the median step) and again under it. The profiled time of each op,
 summed over the steps and divided by them, goes into a part:
@@ -14,7 +16,8 @@ summed over the steps and divided by them, goes into a part:
   low-bit read   SpeCache's pass over the 1-bit copy (kernels/lowbit_cpu.c)
   16-bit pairs and merge   SpeCache's attention over its fetched pairs, window and new rows, merged
                  with the low-bit pass (kernels/dense_cpu.c's merge_segments; matmuls elsewhere)
-  choice and top-k   SpeCache's ranking of positions and top-k (kernels/rank_cpu.c; torch's topk elsewhere)
+  choice and top-k   SpeCache's ranking of positions and top-k (kernels/rank_cpu.c; torch's topk
+  elsewhere)
   gather         gather and indexing (SpeCache's fetch of pairs from the slow tier in RAM)
   other compiled kernels   inductor's generated loops (norms, RoPE, masks, ...)
   other ops      the rest of torch's ops in the step
@@ -23,6 +26,7 @@ summed over the steps and divided by them, goes into a part:
 The profiler slows small ops down, so the parts are approximate; the step time is from the
 unprofiled run. Prints one markdown table, and writes it to {out}/profile.md (and .json) with --out.
 """
+
 import argparse
 import statistics
 import sys
@@ -39,7 +43,10 @@ from scripts.harness import Runner, method_argument, write_report  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
 PARTS = [
-    ("weights", ("specache::quantized_linear", "aten::_weight_int8pack_mm", "specache::int4_matmul")),
+    (
+        "weights",
+        ("specache::quantized_linear", "aten::_weight_int8pack_mm", "specache::int4_matmul"),
+    ),
     ("full-cache attention", ("specache::dense_decode_attention",)),
     ("low-bit read", ("specache::lowbit_partial_attention",)),
     ("16-bit pairs and merge", ("specache::merge_segments", "aten::bmm")),
@@ -49,7 +56,8 @@ PARTS = [
 
 
 def part_of(name: str) -> str:
-    if name.startswith("aoti_torch_cpu_"):  # an aten op as the C++ wrapper calls it: aoti_torch_cpu_bmm_out
+    # an aten op as the C++ wrapper calls it: aoti_torch_cpu_bmm_out
+    if name.startswith("aoti_torch_cpu_"):
         name = "aten::" + name.removeprefix("aoti_torch_cpu_").removesuffix("_out")
     for part, names in PARTS:
         if name in names:
@@ -64,7 +72,13 @@ def part_of(name: str) -> str:
 def profile(runner: Runner, method: str, prompt: list[int], prefilled, steps: int) -> dict:
     runner.decode(method, prompt, prefilled, 4)  # compiles
     times = []
-    runner.decode(method, prompt, prefilled, steps + 1, callback=lambda tokens: times.append(time.perf_counter()))
+    runner.decode(
+        method,
+        prompt,
+        prefilled,
+        steps + 1,
+        callback=lambda tokens: times.append(time.perf_counter()),
+    )
     step_ms = 1e3 * statistics.median(b - a for a, b in zip(times, times[1:]))
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
 
@@ -84,32 +98,62 @@ def profile(runner: Runner, method: str, prompt: list[int], prefilled, steps: in
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", type=Path, default=None, help="default: the embedded SmolLM2")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--checkpoint", type=Path, default=None, help="default: the embedded SmolLM2"
+    )
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024])
-    parser.add_argument("--methods", nargs="+", type=method_argument, default=["full-16bit", "specache-1bit"])
+    parser.add_argument(
+        "--methods", nargs="+", type=method_argument, default=["full-16bit", "specache-1bit"]
+    )
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--compile_per_block", action="store_true")
-    parser.add_argument("--out", type=Path, default=None, help="also write profile.md and profile.json here")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="also write profile.md and profile.json here"
+    )
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    inductor_config.cpp.enable_kernel_profile = True  # inductor's loops appear in the profile by name
+    inductor_config.cpp.enable_kernel_profile = (
+        True  # inductor's loops appear in the profile by name
+    )
     checkpoint = args.checkpoint or prepare_default_checkpoint()
     model = load_model(checkpoint, torch.device("cpu"), torch.float32)
-    runner = Runner(model, get_tokenizer(checkpoint.parent), args.methods, compile=True, round_capacity=False,
-                    whole_step=not args.compile_per_block)
+    runner = Runner(
+        model,
+        get_tokenizer(checkpoint.parent),
+        args.methods,
+        compile=True,
+        round_capacity=False,
+        whole_step=not args.compile_per_block,
+    )
     rows = []
     for length in args.lengths:
         prompt = prompt_of_length(length, model.config.vocab_size)
         prefilled = runner.prefill(prompt, args.steps + 8)
-        rows += [dict(length=length, method=method, **profile(runner, method, prompt, prefilled, args.steps))
-                 for method in args.methods]
+        rows += [
+            dict(
+                length=length,
+                method=method,
+                **profile(runner, method, prompt, prefilled, args.steps),
+            )
+            for method in args.methods
+        ]
     names = [n for n in rows[0] if n not in ("length", "method")]
-    lines = [f"{checkpoint.parent.name}/{checkpoint.name}, batch 1, "
-             f"{'per block' if args.compile_per_block else 'whole step'} compiled, {torch.get_num_threads()} threads; "
-             "ms per step by part (torch.profiler; the step from an unprofiled run)", "",
-             "| context | method | " + " | ".join(names) + " |", "|---" * (len(names) + 2) + "|"]
-    lines += [f"| {r['length']} | {r['method']} | " + " | ".join(f"{r[n]:.1f}" for n in names) + " |" for r in rows]
+    lines = [
+        f"{checkpoint.parent.name}/{checkpoint.name}, batch 1, "
+        f"{'per block' if args.compile_per_block else 'whole step'} compiled, "
+        f"{torch.get_num_threads()} threads; "
+        "ms per step by part (torch.profiler; the step from an unprofiled run)",
+        "",
+        "| context | method | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 2) + "|",
+    ]
+    lines += [
+        f"| {r['length']} | {r['method']} | " + " | ".join(f"{r[n]:.1f}" for n in names) + " |"
+        for r in rows
+    ]
     markdown = "\n".join(lines)
     print(markdown)
     if args.out:

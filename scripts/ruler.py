@@ -1,13 +1,17 @@
 """RULER's synthetic tasks (NVIDIA/RULER), generated in code, scored for several KV caches.
 
-    python scripts/ruler.py                        # 2048 and 4096 tokens, 2 samples per task, all 11 tasks
+    python scripts/ruler.py                        # 2048 and 4096 tokens, 2 samples per task, \
+        all 11 tasks
     python scripts/ruler.py --quick                # 1 sample per task
-    python scripts/ruler.py --lengths 4096 8192 --samples 5 --tasks niah_single_1 vt --methods full specache-1bit
+    python scripts/ruler.py --lengths 4096 8192 --samples 5 --tasks niah_single_1 vt --methods \
+        full specache-1bit
 
 The tasks are RULER's official configurations (scripts/synthetic.yaml): eight needle-in-a-haystack
 variants, variable tracking (vt), common words extraction (cwe) and frequent words extraction (fwe),
-with RULER's templates, answer prefixes and generation lengths (scripts/data/synthetic/constants.py).
-The prompt is the task text as one chat user turn, then the answer prefix after the assistant header,
+with RULER's templates, answer prefixes and generation lengths
+(scripts/data/synthetic/constants.py).
+The prompt is the task text as one chat user turn, then the answer prefix after the assistant
+header,
 as RULER does for chat models. Each sample is sized to its length: its number of haystack units
 (noise sentences, essay words, distractor needles, listed words, coded words) is the largest for
 which the prompt plus the tokens to generate fits, found by bisection for that sample. The score is
@@ -24,6 +28,7 @@ larger list past that, beyond ~90k tokens).
 Writes {out}/ruler.md (one table per length: methods x tasks) and {out}/ruler.json (every sample's
 references, replies and scores).
 """
+
 import argparse
 import random
 import re
@@ -36,32 +41,94 @@ from typing import Callable, NamedTuple
 
 import torch
 from tqdm import tqdm
-from wonderwords.random_word import _get_words_from_text_file  # the loader RULER uses for the bundled lists
+
+# the loader RULER uses for the bundled lists
+from wonderwords.random_word import (
+    _get_words_from_text_file,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scripts.harness import Runner, add_arguments, runner_from_args, write_report  # noqa: E402
 from scripts.haystack import essays_dir  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
-# RULER scripts/synthetic.yaml: the official task configurations (qa_1 and qa_2 need external datasets).
+# RULER scripts/synthetic.yaml: the official task configurations (qa_1 and qa_2 need external
+# datasets).
 TASKS = {
-    "niah_single_1": dict(kind="niah", type_haystack="noise", type_needle_k="words", type_needle_v="numbers",
-                          num_needle_k=1, num_needle_v=1, num_needle_q=1),
-    "niah_single_2": dict(kind="niah", type_haystack="essay", type_needle_k="words", type_needle_v="numbers",
-                          num_needle_k=1, num_needle_v=1, num_needle_q=1),
-    "niah_single_3": dict(kind="niah", type_haystack="essay", type_needle_k="words", type_needle_v="uuids",
-                          num_needle_k=1, num_needle_v=1, num_needle_q=1),
-    "niah_multikey_1": dict(kind="niah", type_haystack="essay", type_needle_k="words", type_needle_v="numbers",
-                            num_needle_k=4, num_needle_v=1, num_needle_q=1),
-    "niah_multikey_2": dict(kind="niah", type_haystack="needle", type_needle_k="words", type_needle_v="numbers",
-                            num_needle_k=1, num_needle_v=1, num_needle_q=1),
-    "niah_multikey_3": dict(kind="niah", type_haystack="needle", type_needle_k="uuids", type_needle_v="uuids",
-                            num_needle_k=1, num_needle_v=1, num_needle_q=1),
-    "niah_multivalue": dict(kind="niah", type_haystack="essay", type_needle_k="words", type_needle_v="numbers",
-                            num_needle_k=1, num_needle_v=4, num_needle_q=1),
-    "niah_multiquery": dict(kind="niah", type_haystack="essay", type_needle_k="words", type_needle_v="numbers",
-                            num_needle_k=1, num_needle_v=1, num_needle_q=4),
-    "vt": dict(kind="variable_tracking", type_haystack="noise", num_chains=1, num_hops=4),  # noise: the one built
+    "niah_single_1": dict(
+        kind="niah",
+        type_haystack="noise",
+        type_needle_k="words",
+        type_needle_v="numbers",
+        num_needle_k=1,
+        num_needle_v=1,
+        num_needle_q=1,
+    ),
+    "niah_single_2": dict(
+        kind="niah",
+        type_haystack="essay",
+        type_needle_k="words",
+        type_needle_v="numbers",
+        num_needle_k=1,
+        num_needle_v=1,
+        num_needle_q=1,
+    ),
+    "niah_single_3": dict(
+        kind="niah",
+        type_haystack="essay",
+        type_needle_k="words",
+        type_needle_v="uuids",
+        num_needle_k=1,
+        num_needle_v=1,
+        num_needle_q=1,
+    ),
+    "niah_multikey_1": dict(
+        kind="niah",
+        type_haystack="essay",
+        type_needle_k="words",
+        type_needle_v="numbers",
+        num_needle_k=4,
+        num_needle_v=1,
+        num_needle_q=1,
+    ),
+    "niah_multikey_2": dict(
+        kind="niah",
+        type_haystack="needle",
+        type_needle_k="words",
+        type_needle_v="numbers",
+        num_needle_k=1,
+        num_needle_v=1,
+        num_needle_q=1,
+    ),
+    "niah_multikey_3": dict(
+        kind="niah",
+        type_haystack="needle",
+        type_needle_k="uuids",
+        type_needle_v="uuids",
+        num_needle_k=1,
+        num_needle_v=1,
+        num_needle_q=1,
+    ),
+    "niah_multivalue": dict(
+        kind="niah",
+        type_haystack="essay",
+        type_needle_k="words",
+        type_needle_v="numbers",
+        num_needle_k=1,
+        num_needle_v=4,
+        num_needle_q=1,
+    ),
+    "niah_multiquery": dict(
+        kind="niah",
+        type_haystack="essay",
+        type_needle_k="words",
+        type_needle_v="numbers",
+        num_needle_k=1,
+        num_needle_v=1,
+        num_needle_q=4,
+    ),
+    # noise: the one built
+    "vt": dict(kind="variable_tracking", type_haystack="noise", num_chains=1, num_hops=4),
     "cwe": dict(kind="common_words_extraction", freq_cw=30, freq_ucw=3, num_cw=10),
     "fwe": dict(kind="freq_words_extraction", alpha=2.0),
 }
@@ -69,28 +136,44 @@ TASKS = {
 # RULER scripts/data/synthetic/constants.py: (template, answer prefix, tokens to generate) per kind.
 PROMPTS = {
     "niah": (
-        "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
+        "Some special magic {type_needle_v} are hidden within the following text. Make sure to "
+        "memorize it. "
         "I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
-        "What are all the special magic {type_needle_v} for {query} mentioned in the provided text?",
-        " The special magic {type_needle_v} for {query} mentioned in the provided text are", 128),
+        "What are all the special magic {type_needle_v} for {query} mentioned in the provided "
+        "text?",
+        " The special magic {type_needle_v} for {query} mentioned in the provided text are",
+        128,
+    ),
     "variable_tracking": (
-        "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
+        "Memorize and track the chain(s) of variable assignment hidden in the following "
+        "text.\n\n{context}\n"
         "Question: Find all variables that are assigned the value {query} in the text above.",
-        " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are "
-        "assigned the value {query}, they are: ", 30),
+        " Answer: According to the chain(s) of variable assignment in the text above, {num_v} "
+        "variables are "
+        "assigned the value {query}, they are: ",
+        30,
+    ),
     "common_words_extraction": (
         "Below is a numbered list of words. In these words, some appear more often than others. "
         "Memorize the ones that appear most often.\n{context}\n"
         "Question: What are the 10 most common words in the above list?",
-        " Answer: The top 10 words that appear most often in the list are:", 120),
+        " Answer: The top 10 words that appear most often in the list are:",
+        120,
+    ),
     "freq_words_extraction": (
-        "Read the following coded text and track the frequency of each coded word. Find the three most "
-        "frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore "
-        "the dots '....'. What are the three most frequently appeared words in the above coded text?",
-        " Answer: According to the coded text above, the three most frequently appeared words are:", 50),
+        "Read the following coded text and track the frequency of each coded word. Find the three "
+        "most "
+        "frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. "
+        "Please ignore "
+        "the dots '....'. What are the three most frequently appeared words in the above coded "
+        "text?",
+        " Answer: According to the coded text above, the three most frequently appeared words are:",
+        50,
+    ),
 }
 
-# RULER scripts/data/synthetic/niah.py and variable_tracking.py: haystack sentences and needle positions.
+# RULER scripts/data/synthetic/niah.py and variable_tracking.py: haystack sentences and needle
+# positions.
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
 DEPTHS = [round(100 * i / 39) for i in range(40)]  # np.round(np.linspace(0, 100, num=40))
@@ -105,6 +188,7 @@ class Sample(NamedTuple):
 
 class Instance(NamedTuple):
     """One task instance as text: the user turn, the answer prefix and the expected answers."""
+
     text: str
     answer_prefix: str
     references: list[str]
@@ -112,18 +196,22 @@ class Instance(NamedTuple):
 
 @cache
 def wonderwords_list(part_of_speech: str) -> list[str]:
-    """One of wonderwords' bundled lists (noun, adjective, verb), deduplicated and sorted as RULER does."""
+    """One of wonderwords' bundled lists (noun, adjective, verb), deduplicated and sorted as RULER
+    does."""
     return sorted(set(_get_words_from_text_file(f"{part_of_speech}list.txt")))
 
 
 @cache
 def cwe_words() -> list[str]:
-    return sorted(set(wonderwords_list("noun") + wonderwords_list("adjective") + wonderwords_list("verb")))
+    return sorted(
+        set(wonderwords_list("noun") + wonderwords_list("adjective") + wonderwords_list("verb"))
+    )
 
 
 @cache
 def essay_words() -> list[str]:
-    # RULER concatenates the essays (Kamradt's set, in name order, comes first) and splits on whitespace.
+    # RULER concatenates the essays (Kamradt's set, in name order, comes first) and splits on
+    # whitespace.
     text = "".join(path.read_text(encoding="utf-8") for path in sorted(essays_dir().glob("*.txt")))
     return re.sub(r"\s+", " ", text).split(" ")
 
@@ -139,27 +227,40 @@ def random_needle(rng: random.Random, kind: str) -> str:
 
 
 def niah(rng: random.Random, n: int, config: dict, length: int) -> Instance:
-    """Needles 'One of the special magic ... for KEY is: VALUE.' in n haystack units; ask for some keys' values."""
+    """Needles 'One of the special magic ... for KEY is: VALUE.' in n haystack units; ask for some
+    keys' values."""
     type_k, type_v = config["type_needle_k"], config["type_needle_v"]
     num_k, num_q = max(config["num_needle_k"], config["num_needle_q"]), config["num_needle_q"]
     keys, values, needles = [], [], []
     for _ in range(num_k):
         keys.append(random_needle(rng, type_k))
         values.append([random_needle(rng, type_v) for _ in range(config["num_needle_v"])])
-        needles += [NEEDLE.format(type_needle_v=type_v, key=keys[-1], value=value) for value in values[-1]]
+        needles += [
+            NEEDLE.format(type_needle_v=type_v, key=keys[-1], value=value) for value in values[-1]
+        ]
     rng.shuffle(needles)
     if config["type_haystack"] == "essay":  # n words; needles between sentences at distinct depths
         words = essay_words()
-        sentences = re.split(r"(?<=[.!?])\s+", " ".join((words * (n // len(words) + 1))[:n]).strip())
-        cuts = [0] + sorted(int(len(sentences) * depth / 100) for depth in rng.sample(DEPTHS, len(needles)))
+        sentences = re.split(
+            r"(?<=[.!?])\s+", " ".join((words * (n // len(words) + 1))[:n]).strip()
+        )
+        cuts = [0] + sorted(
+            int(len(sentences) * depth / 100) for depth in rng.sample(DEPTHS, len(needles))
+        )
         parts = [" ".join(sentences[a:b]) for a, b in zip(cuts, cuts[1:] + [len(sentences)])]
         context = " ".join([x for pair in zip(parts, needles) for x in pair] + parts[-1:])
     else:  # n noise sentences, or n distractor needles with other keys, one per line
         if config["type_haystack"] == "noise":
             lines = [NOISE] * n
         else:
-            lines = [NEEDLE.format(type_needle_v=type_v, key=random_needle(rng, type_k),
-                                   value=random_needle(rng, type_v)) for _ in range(n)]
+            lines = [
+                NEEDLE.format(
+                    type_needle_v=type_v,
+                    key=random_needle(rng, type_k),
+                    value=random_needle(rng, type_v),
+                )
+                for _ in range(n)
+            ]
         for index, needle in zip(sorted(rng.sample(range(n), len(needles)), reverse=True), needles):
             lines.insert(index, needle)
         context = "\n".join(lines)
@@ -168,14 +269,26 @@ def niah(rng: random.Random, n: int, config: dict, length: int) -> Instance:
     query = ", ".join(queries[:-1]) + ", and " + queries[-1] if num_q > 1 else queries[0]
     template, prefix, _ = PROMPTS["niah"]
     if num_q * config["num_needle_v"] == 1:  # RULER's singular wording when one value is asked for
+
         def singular(t: str) -> str:
-            return t.replace("Some", "A").replace("are all", "is").replace("are", "is").replace("answers", "answer")
+            return (
+                t.replace("Some", "A")
+                .replace("are all", "is")
+                .replace("are", "is")
+                .replace("answers", "answer")
+            )
+
         template, prefix, type_v = singular(template), singular(prefix), type_v[:-1]
-    return Instance(template.format(type_needle_v=type_v, context=context, query=query),
-                    prefix.format(type_needle_v=type_v, query=query), [v for i in chosen for v in values[i]])
+    return Instance(
+        template.format(type_needle_v=type_v, context=context, query=query),
+        prefix.format(type_needle_v=type_v, query=query),
+        [v for i in chosen for v in values[i]],
+    )
 
 
-def vt_instance(rng: random.Random, n: int, num_chains: int, num_hops: int, name_length: int) -> Instance:
+def vt_instance(
+    rng: random.Random, n: int, num_chains: int, num_hops: int, name_length: int
+) -> Instance:
     """Chains 'VAR B = VAR A' starting from a 5-digit value, kept in order among n noise lines."""
     names: list[str] = []
     while len(names) < num_chains * (num_hops + 1):
@@ -184,9 +297,11 @@ def vt_instance(rng: random.Random, n: int, num_chains: int, num_hops: int, name
             names.append(name)
     chains = []
     for c in range(num_chains):
-        chain = names[c * (num_hops + 1):(c + 1) * (num_hops + 1)]
-        chains.append([f"VAR {chain[0]} = {rng.randint(10000, 99998)}"]
-                      + [f"VAR {b} = VAR {a} " for a, b in zip(chain, chain[1:])])
+        chain = names[c * (num_hops + 1) : (c + 1) * (num_hops + 1)]
+        chains.append(
+            [f"VAR {chain[0]} = {rng.randint(10000, 99998)}"]
+            + [f"VAR {b} = VAR {a} " for a, b in zip(chain, chain[1:])]
+        )
     lines = [NOISE] * n
     for chain in chains:
         for j, position in enumerate(sorted(rng.sample(range(len(lines)), len(chain)))):
@@ -194,14 +309,21 @@ def vt_instance(rng: random.Random, n: int, num_chains: int, num_hops: int, name
     value = chains[0][0].split("=")[-1].strip()
     template, prefix, _ = PROMPTS["variable_tracking"]
     context = "\n".join(lines).replace(". \n", ".\n")
-    return Instance(template.format(context=context, query=value), prefix.format(num_v=num_hops + 1, query=value),
-                    names[:num_hops + 1])
+    return Instance(
+        template.format(context=context, query=value),
+        prefix.format(num_v=num_hops + 1, query=value),
+        names[: num_hops + 1],
+    )
 
 
 def vt_example(seed: int, tokenizer: Tokenizer, config: dict) -> str:
-    """RULER's solved vt example: 3-letter names, at most 10 hops, sized to VT_EXAMPLE_TOKENS, answer appended."""
+    """RULER's solved vt example: 3-letter names, at most 10 hops, sized to VT_EXAMPLE_TOKENS,
+    answer appended."""
+
     def build(n: int) -> Instance:
-        return vt_instance(random.Random(seed), n, config["num_chains"], min(10, config["num_hops"]), 3)
+        return vt_instance(
+            random.Random(seed), n, config["num_chains"], min(10, config["num_hops"]), 3
+        )
 
     def size(n: int) -> int:
         instance = build(n)
@@ -217,7 +339,8 @@ def variable_tracking(rng: random.Random, n: int, config: dict, length: int) -> 
 
 
 def common_words(rng: random.Random, n: int, config: dict, length: int) -> Instance:
-    """A numbered list of n distinct words, num_cw of them repeated more often; one solved example first."""
+    """A numbered list of n distinct words, num_cw of them repeated more often; one solved example
+    first."""
     num_cw = config["num_cw"]
 
     def word_list(num_words: int, common: int, uncommon: int) -> tuple[str, list[str]]:
@@ -227,18 +350,29 @@ def common_words(rng: random.Random, n: int, config: dict, length: int) -> Insta
         return " ".join(f"{i + 1}. {word}" for i, word in enumerate(listed)), chosen[:num_cw]
 
     # RULER uses a smaller example and fewer repeats below 4096 tokens.
-    shot, repeats = ((20, 3, 1), (6, 1)) if length < 4096 else ((40, 10, 3), (config["freq_cw"], config["freq_ucw"]))
+    shot, repeats = (
+        ((20, 3, 1), (6, 1))
+        if length < 4096
+        else ((40, 10, 3), (config["freq_cw"], config["freq_ucw"]))
+    )
     shot_context, shot_answer = word_list(*shot)
     context, answer = word_list(n, *repeats)
     template, prefix, _ = PROMPTS["common_words_extraction"]
-    example = (template.format(context=shot_context) + prefix + " "
-               + " ".join(f"{i + 1}. {word}" for i, word in enumerate(shot_answer)))
+    example = (
+        template.format(context=shot_context)
+        + prefix
+        + " "
+        + " ".join(f"{i + 1}. {word}" for i, word in enumerate(shot_answer))
+    )
     return Instance(example + "\n" + template.format(context=context), prefix, answer)
 
 
 def freq_words(rng: random.Random, n: int, config: dict, length: int) -> Instance:
-    """About n coded words drawn by a Zipf law over a random vocabulary; rank 1 is the noise '...'."""
-    vocab_size = (length - PROMPTS["freq_words_extraction"][2]) // 50  # RULER's default vocabulary size
+    """About n coded words drawn by a Zipf law over a random vocabulary; rank 1 is the noise
+    '...'."""
+    vocab_size = (
+        length - PROMPTS["freq_words_extraction"][2]
+    ) // 50  # RULER's default vocabulary size
     vocab: list[str] = []
     while len(vocab) < vocab_size:
         word = "".join(rng.choices(string.ascii_lowercase, k=6))
@@ -254,8 +388,11 @@ def freq_words(rng: random.Random, n: int, config: dict, length: int) -> Instanc
 
 
 BUILDERS: dict[str, Callable[[random.Random, int, dict, int], Instance]] = {
-    "niah": niah, "variable_tracking": variable_tracking, "common_words_extraction": common_words,
-    "freq_words_extraction": freq_words}
+    "niah": niah,
+    "variable_tracking": variable_tracking,
+    "common_words_extraction": common_words,
+    "freq_words_extraction": freq_words,
+}
 
 
 def fewest_units(config: dict) -> int:
@@ -270,12 +407,15 @@ def fewest_units(config: dict) -> int:
 
 
 def largest_fitting(size: Callable[[int], int], budget: int, lo: int, most: int = 1 << 40) -> int:
-    """The largest n in [lo, most] with size(n) <= budget, by doubling then bisection (size grows with n).
+    """The largest n in [lo, most] with size(n) <= budget, by doubling then bisection (size grows
+    with n).
 
     Where size is not quite monotone the answer still fits, as only fitting n are ever kept.
     """
     if size(lo) > budget:
-        raise ValueError(f"the smallest instance takes {size(lo)} tokens, more than the {budget} available")
+        raise ValueError(
+            f"the smallest instance takes {size(lo)} tokens, more than the {budget} available"
+        )
     hi = lo + 1  # invariant: lo fits; hi does not, or is past most
     while hi <= most and size(hi) <= budget:
         lo, hi = hi, min(2 * hi, most + 1)
@@ -285,8 +425,11 @@ def largest_fitting(size: Callable[[int], int], budget: int, lo: int, most: int 
     return lo
 
 
-def make_sample(task: str, tokenizer: Tokenizer, length: int, rng: random.Random, chat: bool = True) -> Sample:
-    """One sample of `task` whose prompt plus its tokens to generate is at most `length` tokens, as close as fits.
+def make_sample(
+    task: str, tokenizer: Tokenizer, length: int, rng: random.Random, chat: bool = True
+) -> Sample:
+    """One sample of `task` whose prompt plus its tokens to generate is at most `length` tokens, as
+    close as fits.
 
     The prompt is the chat-formatted task text (with chat=False, for base models, the plain text
     after BOS, as RULER's base-model template has it) followed by the answer prefix.
@@ -305,7 +448,9 @@ def make_sample(task: str, tokenizer: Tokenizer, length: int, rng: random.Random
         return head + tokenizer.encode(prefix, bos=False), references
 
     most = len(cwe_words()) if kind == "common_words_extraction" else 1 << 40
-    n = largest_fitting(lambda n: len(encode(n)[0]), length - max_new_tokens, fewest_units(config), most)
+    n = largest_fitting(
+        lambda n: len(encode(n)[0]), length - max_new_tokens, fewest_units(config), most
+    )
     return Sample(*encode(n), max_new_tokens)
 
 
@@ -314,28 +459,48 @@ def string_match_all(prediction: str, references: list[str]) -> float:
     return 100 * sum(r.lower() in prediction.lower() for r in references) / len(references)
 
 
-def evaluate(runner: Runner, tasks: list[str], lengths: list[int], samples: int, seed: int) -> list[dict]:
+def evaluate(
+    runner: Runner, tasks: list[str], lengths: list[int], samples: int, seed: int
+) -> list[dict]:
     """One row per sample: its references and every method's reply and score."""
     rows = []
-    with tqdm(total=len(lengths) * len(tasks) * samples, desc="ruler samples", file=sys.stderr) as bar:
+    with tqdm(
+        total=len(lengths) * len(tasks) * samples, desc="ruler samples", file=sys.stderr
+    ) as bar:
         for length in lengths:
             for task in tasks:
-                # A generator per (task, length): a task's samples do not depend on which others run.
+                # A generator per (task, length): a task's samples do not depend on which others
+                # run.
                 rng = random.Random(f"{seed}/{task}/{length}")
                 for index in range(samples):
-                    prompt, references, max_new_tokens = make_sample(task, runner.tokenizer, length, rng,
-                                                                     chat=runner.chat)
+                    prompt, references, max_new_tokens = make_sample(
+                        task, runner.tokenizer, length, rng, chat=runner.chat
+                    )
                     outputs = runner.run(prompt, max_new_tokens)
-                    rows.append(dict(length=length, task=task, index=index, prompt_tokens=len(prompt),
-                                     references=references,
-                                     outputs={method: dict(text=out.text, score=string_match_all(out.text, references),
-                                                           fast_tier_bytes=out.fast_tier_bytes)
-                                              for method, out in outputs.items()}))
+                    rows.append(
+                        dict(
+                            length=length,
+                            task=task,
+                            index=index,
+                            prompt_tokens=len(prompt),
+                            references=references,
+                            outputs={
+                                method: dict(
+                                    text=out.text,
+                                    score=string_match_all(out.text, references),
+                                    fast_tier_bytes=out.fast_tier_bytes,
+                                )
+                                for method, out in outputs.items()
+                            },
+                        )
+                    )
                     bar.update()
     return rows
 
 
-def summarize(rows: list[dict], methods: list[str], tasks: list[str]) -> dict[int, dict[str, dict[str, float]]]:
+def summarize(
+    rows: list[dict], methods: list[str], tasks: list[str]
+) -> dict[int, dict[str, dict[str, float]]]:
     """length -> method -> task -> mean score over samples, and 'average' over tasks."""
     scores: dict[int, dict[str, dict[str, float]]] = {}
     for length in dict.fromkeys(r["length"] for r in rows):
@@ -343,7 +508,11 @@ def summarize(rows: list[dict], methods: list[str], tasks: list[str]) -> dict[in
         for method in methods:
             per_task = {}
             for task in tasks:
-                mine = [r["outputs"][method]["score"] for r in rows if r["length"] == length and r["task"] == task]
+                mine = [
+                    r["outputs"][method]["score"]
+                    for r in rows
+                    if r["length"] == length and r["task"] == task
+                ]
                 per_task[task] = sum(mine) / len(mine)
             scores[length][method] = dict(per_task, average=sum(per_task.values()) / len(per_task))
     return scores
@@ -353,23 +522,47 @@ def tables(scores: dict[int, dict[str, dict[str, float]]], tasks: list[str], sam
     """One markdown table per length: a row per method, a column per task, then the average."""
     blocks = []
     for length, by_method in scores.items():
-        lines = [f"RULER at {length} tokens ({samples} sample{'s' * (samples != 1)} per task, string_match_all %):",
-                 "", "| method | " + " | ".join(tasks) + " | average |", "|---" * (len(tasks) + 2) + "|"]
+        lines = [
+            f"RULER at {length} tokens ({samples} sample{'s' * (samples != 1)} per task, "
+            "string_match_all %):",
+            "",
+            "| method | " + " | ".join(tasks) + " | average |",
+            "|---" * (len(tasks) + 2) + "|",
+        ]
         for method, row in by_method.items():
-            lines.append(f"| {method} | " + " | ".join(f"{row[t]:.1f}" for t in tasks + ["average"]) + " |")
+            lines.append(
+                f"| {method} | " + " | ".join(f"{row[t]:.1f}" for t in tasks + ["average"]) + " |"
+            )
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096],
-                        help="sequence lengths in tokens, prompt plus tokens to generate (default 2048 4096)")
-    parser.add_argument("--samples", type=int, default=2, help="samples per task and length (default 2)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=[2048, 4096],
+        help="sequence lengths in tokens, prompt plus tokens to generate (default 2048 4096)",
+    )
+    parser.add_argument(
+        "--samples", type=int, default=2, help="samples per task and length (default 2)"
+    )
     parser.add_argument("--quick", action="store_true", help="1 sample per task and length")
-    parser.add_argument("--tasks", nargs="+", default=["all"], choices=["all", *TASKS], metavar="TASK",
-                        help=f"some of: {' '.join(TASKS)} (default all)")
-    parser.add_argument("--seed", type=int, default=42, help="the same seed gives the same samples (default 42)")
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        default=["all"],
+        choices=["all", *TASKS],
+        metavar="TASK",
+        help=f"some of: {' '.join(TASKS)} (default all)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=42, help="the same seed gives the same samples (default 42)"
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
     tasks = list(TASKS) if "all" in args.tasks else args.tasks
@@ -380,9 +573,19 @@ def main(argv: list[str] | None = None) -> None:
     scores = summarize(rows, runner.methods, tasks)
     markdown = tables(scores, tasks, samples)
     print(markdown)
-    write_report(args.out, "ruler", markdown,
-                 dict(seed=args.seed, samples_per_task=samples, tasks=tasks, lengths=args.lengths,
-                      scores={str(length): s for length, s in scores.items()}, samples=rows))
+    write_report(
+        args.out,
+        "ruler",
+        markdown,
+        dict(
+            seed=args.seed,
+            samples_per_task=samples,
+            tasks=tasks,
+            lengths=args.lengths,
+            scores={str(length): s for length, s in scores.items()},
+            samples=rows,
+        ),
+    )
 
 
 if __name__ == "__main__":

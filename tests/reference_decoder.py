@@ -6,6 +6,7 @@ quantized span [0, Lq) from the stored 16-bit pairs, overlays the exact position
 prefetched, real picks, window, the new rows) and takes one float32 softmax over everything.
 Only models whose layers all attend over the whole context are supported.
 """
+
 from types import SimpleNamespace
 
 import torch
@@ -29,7 +30,7 @@ def fake_quant(x, bits, levels, scale_dtype):
         zero = torch.where(n_low > 0, low_mean, m)
         scale = torch.where(n_up > 0, up_mean, M) - zero
     zero, scale = zero.to(scale_dtype).float(), scale.to(scale_dtype).float()
-    code = torch.floor((x - zero) / scale + 0.5).clamp(0, 2 ** bits - 1)
+    code = torch.floor((x - zero) / scale + 0.5).clamp(0, 2**bits - 1)
     code = torch.where(scale > 0, code, torch.zeros_like(code))
     return code * scale + zero
 
@@ -65,8 +66,12 @@ class RefLayerCache(nn.Module):
         decode step would, dequantized below Lq but the sinks."""
         G = q.shape[1] // k.shape[1]
         if self.n[0] == 0:
-            y = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(G, 1),
-                                               v.float().repeat_interleave(G, 1), is_causal=True)
+            y = F.scaled_dot_product_attention(
+                q.float(),
+                k.float().repeat_interleave(G, 1),
+                v.float().repeat_interleave(G, 1),
+                is_causal=True,
+            )
         else:
             n, S = self.n[0], q.shape[2]
             K, V = self.K[0, :, :n].float(), self.V[0, :, :n].float()
@@ -82,8 +87,8 @@ class RefLayerCache(nn.Module):
             visible[:, n:] = torch.ones(S, S, dtype=torch.bool).tril()
             y = F.scaled_dot_product_attention(q.float(), keys, values, attn_mask=visible)
         for b, length in enumerate(self.dec.lengths):
-            self.K[b, :, self.n[b]: self.n[b] + length] = k[b, :, :length].to(self.dec.pair_dtype)
-            self.V[b, :, self.n[b]: self.n[b] + length] = v[b, :, :length].to(self.dec.pair_dtype)
+            self.K[b, :, self.n[b] : self.n[b] + length] = k[b, :, :length].to(self.dec.pair_dtype)
+            self.V[b, :, self.n[b] : self.n[b] + length] = v[b, :, :length].to(self.dec.pair_dtype)
             self.n[b] += length
         return y.to(q.dtype)
 
@@ -92,19 +97,22 @@ class RefLayerCache(nn.Module):
         cfg, g = self.dec.cfg, self.dec.cfg.group
         while self.n_quantized[b] < Lq:
             j = self.n_quantized[b]
-            Kg, Vg = self.K[b, :, j:j + g].float(), self.V[b, :, j:j + g].float()  # (Hkv, g, D)
+            Kg, Vg = self.K[b, :, j : j + g].float(), self.V[b, :, j : j + g].float()  # (Hkv, g, D)
             n_kv, D = Kg.shape[0], Kg.shape[2]
             # keys per channel over the group's g positions; values per token over gv channels
-            self.Kd[b, :, j:j + g] = fake_quant(Kg.transpose(1, 2), cfg.bits, cfg.levels,
-                                                self.dec.scale_dtype).transpose(1, 2)
+            self.Kd[b, :, j : j + g] = fake_quant(
+                Kg.transpose(1, 2), cfg.bits, cfg.levels, self.dec.scale_dtype
+            ).transpose(1, 2)
             gv = min(g, D)
-            self.Vd[b, :, j:j + g] = fake_quant(Vg.reshape(n_kv, g, D // gv, gv), cfg.bits, cfg.levels,
-                                                self.dec.scale_dtype).reshape(n_kv, g, D)
+            self.Vd[b, :, j : j + g] = fake_quant(
+                Vg.reshape(n_kv, g, D // gv, gv), cfg.bits, cfg.levels, self.dec.scale_dtype
+            ).reshape(n_kv, g, D)
             self.n_quantized[b] = j + g
 
     def attend(self, q, k_new, v_new, keys, values, exact):
         """Rows q (H, S, D) over the n stored positions (exact ones from `keys[0]`, others from the
-        dequantized `keys[1]`) and the new rows causally: outputs (H, S, D), probabilities (H, S, n+S)."""
+        dequantized `keys[1]`) and the new rows causally: outputs (H, S, D), probabilities (H, S,
+        n+S)."""
         H, S, D = q.shape
         n_kv, n = exact.shape
         K = torch.cat([torch.where(exact[..., None], keys[0], keys[1]), k_new], 1)  # (Hkv, n+S, D)
@@ -112,7 +120,7 @@ class RefLayerCache(nn.Module):
         visible = torch.ones(S, n + S, dtype=torch.bool)
         visible[:, n:] = torch.ones(S, S, dtype=torch.bool).tril()
         qg = q.reshape(n_kv, H // n_kv, S, D)  # query head j reads KV head j // G
-        scores = (qg @ K[:, None].transpose(-1, -2)) * D ** -0.5
+        scores = (qg @ K[:, None].transpose(-1, -2)) * D**-0.5
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
         return (probs @ V[:, None]).reshape(H, S, D), probs.reshape(H, S, n + S)
 
@@ -145,11 +153,18 @@ class RefLayerCache(nn.Module):
         n_pick = [dec.k if d else dec.k_real for d in discard.tolist()]
         picks = torch.zeros(n_kv, n, dtype=torch.bool)
         if max(n_pick) > 0:
-            probs0 = self.attend(q[:, :1], k[:, :1], v[:, :1], keys, values, E0 | window)[1][:, 0, :n]
-            if cfg.oracle:  # with row 0's fully exact attention: its weights ("mass"), or how far off ours are
+            probs0 = self.attend(q[:, :1], k[:, :1], v[:, :1], keys, values, E0 | window)[1][
+                :, 0, :n
+            ]
+            # with row 0's fully exact attention: its weights ("mass"), or how far off ours are
+            if cfg.oracle:
                 everything = torch.ones(n_kv, n, dtype=torch.bool)
-                exact = self.attend(q[:, :1], k[:, :1], v[:, :1], keys, values, everything)[1][:, 0, :n]
-                score = self.heads(exact if cfg.oracle == "mass" else (exact - probs0).abs(), "mean")
+                exact = self.attend(q[:, :1], k[:, :1], v[:, :1], keys, values, everything)[1][
+                    :, 0, :n
+                ]
+                score = self.heads(
+                    exact if cfg.oracle == "mass" else (exact - probs0).abs(), "mean"
+                )
             else:
                 score = self.heads(probs0, cfg.gqa)
             candidates = quantized[None] & ~E0
@@ -180,7 +195,7 @@ def lookup_guess(history, logits_row):
             continue
         tail = history[-size:]
         for i in range(len(history) - size - 1, -1, -1):
-            if history[i:i + size] == tail:
+            if history[i : i + size] == tail:
                 return history[i + size]
     return int(logits_row.argmax())
 
@@ -189,13 +204,19 @@ class ReferenceDecoder:
     def __init__(self, model, config, max_seq_length, oracle=None):
         """`config`: a specache.SpeCacheConfig, read field by field; `oracle`: "error" or "mass"
         (the real row chooses all k pairs from its exact scores), or None."""
-        cfg = SimpleNamespace(**vars(config.method), **vars(config.selection),
-                              pair_dtype=config.placement.pair_dtype, oracle=oracle)
+        cfg = SimpleNamespace(
+            **vars(config.method),
+            **vars(config.selection),
+            pair_dtype=config.placement.pair_dtype,
+            oracle=oracle,
+        )
         self.model, self.cfg = model, cfg
         g = cfg.group
         self.capacity = (max_seq_length + g - 1) // g * g
         self.k = min(cfg.topk, self.capacity)
-        self.k_real = self.k if (not cfg.speculative or cfg.oracle) else int(self.k * cfg.real_share + 0.5)
+        self.k_real = (
+            self.k if (not cfg.speculative or cfg.oracle) else int(self.k * cfg.real_share + 0.5)
+        )
         self.k_spec = self.k - self.k_real
         self.n_sinks = min(cfg.sinks, self.capacity)
         model_dtype = model.tok_embeddings.weight.dtype
@@ -207,7 +228,8 @@ class ReferenceDecoder:
 
     def top(self, score, candidates, m):
         """The (at most) m candidate positions of highest score. Records in min_gap how close the
-        last one picked came to the best one left out (relative): ties there make any order right."""
+        last one picked came to the best one left out (relative): ties there make any order
+        right."""
         order = score.masked_fill(~candidates, float("-inf")).sort(descending=True)
         m = min(m, int(candidates.sum()))
         if 0 < m < int(candidates.sum()):
@@ -229,12 +251,16 @@ class ReferenceDecoder:
         (all it had but its last token, which this prompt starts with)."""
         m, cfg, B = self.model, self.cfg, len(prompts)
         c = m.config
-        assert all(c.window(i) is None for i in range(c.n_layer)), "sliding-window layers are not supported"
-        saved = ([l.attention.kv_cache for l in m.layers], m.freqs_cis, m.freqs_cis_local)
+        assert all(c.window(i) is None for i in range(c.n_layer)), (
+            "sliding-window layers are not supported"
+        )
+        saved = ([layer.attention.kv_cache for layer in m.layers], m.freqs_cis, m.freqs_cis_local)
         try:
             m.setup_rope(self.capacity + 2)
             if not held:
-                self.caches = [RefLayerCache(self, B, c.n_local_heads, c.head_dim) for _ in m.layers]
+                self.caches = [
+                    RefLayerCache(self, B, c.n_local_heads, c.head_dim) for _ in m.layers
+                ]
                 self.history = [[] for _ in prompts]
             assert not held or (B == 1 and all(cache.n == [held] for cache in self.caches))
             for layer, cache in zip(m.layers, self.caches):
@@ -243,7 +269,7 @@ class ReferenceDecoder:
             self.lengths = [len(p) for p in prompts]
             padded = torch.zeros(B, max(self.lengths), dtype=torch.long)
             for b, p in enumerate(prompts):
-                padded[b, :len(p)] = torch.tensor(p)
+                padded[b, : len(p)] = torch.tensor(p)
             self.mode, self.decoding = "prefill", False
             pos = held + torch.arange(padded.shape[1]).expand(B, -1)
             last = torch.tensor(self.lengths)[:, None] - 1
@@ -254,11 +280,16 @@ class ReferenceDecoder:
             all_logits = []
             self.mode = "pass"
             speculative = cfg.speculative and self.k > 0
-            guess_of = (lambda b, row: lookup_guess(history[b], row)) if cfg.guess == "lookup" else (
-                lambda b, row: int(row.argmax()))
+            guess_of = (
+                (lambda b, row: lookup_guess(history[b], row))
+                if cfg.guess == "lookup"
+                else (lambda b, row: int(row.argmax()))
+            )
             if speculative:  # bootstrap: [T1] at n, appends nothing, yields the first guess
                 self.decoding = False
-                logits = self.run(torch.tensor(first)[:, None], held + torch.tensor(self.lengths)[:, None])
+                logits = self.run(
+                    torch.tensor(first)[:, None], held + torch.tensor(self.lengths)[:, None]
+                )
                 all_logits.append(logits)
                 guesses = [guess_of(b, logits[b, -1].float()) for b in range(B)]
             self.decoding = True
@@ -283,4 +314,3 @@ class ReferenceDecoder:
             for layer, cache in zip(m.layers, saved[0]):
                 layer.attention.kv_cache = cache
             m.freqs_cis, m.freqs_cis_local = saved[1], saved[2]
-

@@ -1,8 +1,16 @@
 """scripts/bench.py's parts that decide figures: the largest-batch search and the report tables."""
+
 import pytest
 
 from conftest import tiny_model
-from scripts.bench import NoTokenizer, largest_batch, max_batch, max_batch_table, release_caches, table
+from scripts.bench import (
+    NoTokenizer,
+    largest_batch,
+    max_batch,
+    max_batch_table,
+    release_caches,
+    table,
+)
 from scripts.harness import Runner
 
 
@@ -26,7 +34,9 @@ def test_max_batch_stops_where_memory_runs_out(monkeypatch):
 
     def decode(method, prompt, prefilled, new_tokens, batch_size=1, overlap_fetch=True):
         if batch_size > 5:
-            raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate... out of memory")
+            raise RuntimeError(
+                "DefaultCPUAllocator: not enough memory: you tried to allocate... out of memory"
+            )
         return real_decode(method, prompt, prefilled, new_tokens, batch_size, overlap_fetch)
 
     monkeypatch.setattr(runner, "decode", decode)
@@ -44,19 +54,43 @@ def test_max_batch_stops_where_memory_runs_out(monkeypatch):
 
 def test_tables_give_ratios_to_the_fastest_full_cache_and_llama_cpp_of_the_same_run():
     row = dict(prefill=1.0, gbps=10.0, bandwidth=20.0, fast=None, slow=None)
-    rows = [dict(row, length=1024, batch=1, method="full", ms_per_step=50.0, tok_s=20.0, compile=30.0),
-            dict(row, length=1024, batch=1, method="full-16bit", ms_per_step=40.0, tok_s=25.0),
-            dict(row, length=1024, batch=1, method="specache-1bit", ms_per_step=40.0, tok_s=30.0, fast=2e6, slow=9e6,
-                 fetched=1.5e6, discarded=0.125, compile=120.0),
-            dict(row, length=1024, batch=1, method="llama.cpp, f16 KV", ms_per_step=20.0, tok_s=50.0),
-            dict(row, length=1024, batch=4, method="specache-1bit", ms_per_step=40.0, tok_s=100.0)]
+    rows = [
+        dict(row, length=1024, batch=1, method="full", ms_per_step=50.0, tok_s=20.0, compile=30.0),
+        dict(row, length=1024, batch=1, method="full-16bit", ms_per_step=40.0, tok_s=25.0),
+        dict(
+            row,
+            length=1024,
+            batch=1,
+            method="specache-1bit",
+            ms_per_step=40.0,
+            tok_s=30.0,
+            fast=2e6,
+            slow=9e6,
+            fetched=1.5e6,
+            discarded=0.125,
+            compile=120.0,
+        ),
+        dict(row, length=1024, batch=1, method="llama.cpp, f16 KV", ms_per_step=20.0, tok_s=50.0),
+        dict(row, length=1024, batch=4, method="specache-1bit", ms_per_step=40.0, tok_s=100.0),
+    ]
     text = table(rows, "title")
-    assert "| 1024 | 1 | specache-1bit | 1.0 | 120 | 40.0 | 30.0 | 10.0 | 50% | 2.0 | 9.0 | 1500 | 12% | 1.20x | 0.60x |" \
-        in text  # over full-16bit, the faster full cache
-    assert "| 1024 | 1 | full | 1.0 | 30 | 50.0 | 20.0 | 10.0 | 50% | - | - | - | - | 0.80x | 0.40x |" in text
-    assert "| 1024 | 4 | specache-1bit | 1.0 | - | 40.0 | 100.0 | 10.0 | 50% | - | - | - | - | - | - |" in text
-    largest = [dict(length=32768, method="full", batch=3, tok_s=10.0),
-               dict(length=32768, method="specache-1bit", batch=36, tok_s=47.0)]
+    # over full-16bit, the faster full cache
+    assert (
+        "| 1024 | 1 | specache-1bit | 1.0 | 120 | 40.0 | 30.0 | 10.0 | 50% | 2.0 | 9.0 | 1500 | "
+        "12% | 1.20x | 0.60x |" in text
+    )
+    assert (
+        "| 1024 | 1 | full | 1.0 | 30 | 50.0 | 20.0 | 10.0 | 50% | - | - | - | - | 0.80x | 0.40x |"
+        in text
+    )
+    assert (
+        "| 1024 | 4 | specache-1bit | 1.0 | - | 40.0 | 100.0 | 10.0 | 50% | - | - | - | - | - | - |"
+        in text
+    )
+    largest = [
+        dict(length=32768, method="full", batch=3, tok_s=10.0),
+        dict(length=32768, method="specache-1bit", batch=36, tok_s=47.0),
+    ]
     assert "| 32768 | specache-1bit | 36 | 47.0 | 4.70x |" in max_batch_table(largest, 64)
 
 

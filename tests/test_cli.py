@@ -1,4 +1,5 @@
 """generate.py's command line: every bad input is one clear line on stderr and exit code 2."""
+
 import json
 import pickle
 import shutil
@@ -96,16 +97,22 @@ def test_tokenizer_from_another_model(capsys, tiny_checkpoint, smollm2_checkpoin
     assert_one_line_error(code, err, "49152 tokens", "97")
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["--max_new_tokens", "0"], "--max_new_tokens"),
-    (["--max_new_tokens", "-3"], "--max_new_tokens"),
-    (["--device", "tpu"], "--device"),
-    (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "nonsense"], "--device"),
-    (["--temperature", "-1"], "--temperature"),
-    (["--top_k", "0"], "--top_k"),
-    (["--batch_size", "0"], "--batch_size"),
-    (["--prompt", ""], "empty"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--max_new_tokens", "0"], "--max_new_tokens"),
+        (["--max_new_tokens", "-3"], "--max_new_tokens"),
+        (["--device", "tpu"], "--device"),
+        (
+            ["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "nonsense"],
+            "--device",
+        ),
+        (["--temperature", "-1"], "--temperature"),
+        (["--top_k", "0"], "--top_k"),
+        (["--batch_size", "0"], "--batch_size"),
+        (["--prompt", ""], "empty"),
+    ],
+)
 def test_bad_arguments(capsys, argv, fragment):
     code, _, err = run_cli(capsys, *argv)
     assert_one_line_error(code, err, fragment)
@@ -128,8 +135,18 @@ def test_prompt_longer_than_max_seq_length(capsys, smollm2_checkpoint):
 
 
 def test_generation_stops_at_max_seq_length_with_a_note(capsys, smollm2_checkpoint):
-    code, out, err = run_cli(capsys, "--prompt", "One, two, three,", "--max_seq_length", "10",
-                             "--max_new_tokens", "50", "--temperature", "0", "--json")
+    code, out, err = run_cli(
+        capsys,
+        "--prompt",
+        "One, two, three,",
+        "--max_seq_length",
+        "10",
+        "--max_new_tokens",
+        "50",
+        "--temperature",
+        "0",
+        "--json",
+    )
     assert code == 0, err
     result = json.loads(out)
     room = 10 - result["prompt_tokens"][0]
@@ -137,26 +154,43 @@ def test_generation_stops_at_max_seq_length_with_a_note(capsys, smollm2_checkpoi
     assert result["new_tokens"] == [room]
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["--specache", "--specache_bits", "3"], "bits must be 1 or 2"),
-    (["--specache", "--specache_group", "48"], "multiple of the group size"),
-    (["--specache", "--specache_topk", "-1"], "top-k must be >= 0"),
-    (["--cache", "turbo"], "unknown --cache"),
-    (["--specache", "--cache", "kivi"], "contradicts"),
-    (["--cache", "streaming", "--budget_tokens", "4"], "sink tokens"),
-    (["--cache", "h2o", "--budget_tokens", "1"], "at least 2"),
-    (["--specache", "--budget_tokens", "100"], "--budget_tokens applies to"),
-    (["--specache", "--specache_select", "sideways"], "unknown --specache_select entry 'sideways'"),
-    (["--specache", "--specache_select", "split=1.5"], "share of k must be in [0, 1]"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--specache", "--specache_bits", "3"], "bits must be 1 or 2"),
+        (["--specache", "--specache_group", "48"], "multiple of the group size"),
+        (["--specache", "--specache_topk", "-1"], "top-k must be >= 0"),
+        (["--cache", "turbo"], "unknown --cache"),
+        (["--specache", "--cache", "kivi"], "contradicts"),
+        (["--cache", "streaming", "--budget_tokens", "4"], "sink tokens"),
+        (["--cache", "h2o", "--budget_tokens", "1"], "at least 2"),
+        (["--specache", "--budget_tokens", "100"], "--budget_tokens applies to"),
+        (
+            ["--specache", "--specache_select", "sideways"],
+            "unknown --specache_select entry 'sideways'",
+        ),
+        (["--specache", "--specache_select", "split=1.5"], "share of k must be in [0, 1]"),
+    ],
+)
 def test_bad_specache_settings(capsys, argv, fragment):
     code, _, err = run_cli(capsys, *argv, "--max_new_tokens", "2")
     assert_one_line_error(code, err, fragment)
 
 
 def test_top_k_beyond_the_context_is_clamped_with_a_note(capsys, smollm2_checkpoint):
-    code, out, err = run_cli(capsys, "--specache", "--specache_topk", "500", "--prompt", "Hello there",
-                             "--max_new_tokens", "3", "--temperature", "0", "--json")
+    code, out, err = run_cli(
+        capsys,
+        "--specache",
+        "--specache_topk",
+        "500",
+        "--prompt",
+        "Hello there",
+        "--max_new_tokens",
+        "3",
+        "--temperature",
+        "0",
+        "--json",
+    )
     assert code == 0, err
     # two tokens of prompt: everything stays 16-bit in the window, nothing is quantized or fetched
     assert "clamped to 0" in err and "Traceback" not in err
@@ -167,22 +201,53 @@ def test_top_k_beyond_the_context_is_clamped_with_a_note(capsys, smollm2_checkpo
 def test_specache_refuses_head_dims_that_do_not_fill_bytes(capsys, smollm2_checkpoint, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=49152, hidden_size=80, intermediate_size=96, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2)  # head_dim 20: 20 bits, 40 bits
+    # head_dim 20: 20 bits a token at 1 bit, 40 at 2
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=80,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     convert_hf_checkpoint(tmp_path)
     shutil.copy(smollm2_checkpoint.parent / "tokenizer.json", tmp_path)
-    code, _, err = run_cli(capsys, "--checkpoint", str(tmp_path), "--specache", "--max_new_tokens", "2")
+    code, _, err = run_cli(
+        capsys, "--checkpoint", str(tmp_path), "--specache", "--max_new_tokens", "2"
+    )
     assert_one_line_error(code, err, "head_dim is 20")
-    code, _, err = run_cli(capsys, "--checkpoint", str(tmp_path), "--specache", "--specache_bits", "2",
-                           "--specache_group", "20", "--specache_residual", "40", "--max_new_tokens", "2")
+    code, _, err = run_cli(
+        capsys,
+        "--checkpoint",
+        str(tmp_path),
+        "--specache",
+        "--specache_bits",
+        "2",
+        "--specache_group",
+        "20",
+        "--specache_residual",
+        "40",
+        "--max_new_tokens",
+        "2",
+    )
     assert code == 0, err
 
 
 @pytest.mark.parametrize("cache", ["streaming", "h2o"])
 def test_eviction_caches_run_and_report_their_budget(capsys, smollm2_checkpoint, cache):
-    code, out, err = run_cli(capsys, "--cache", cache, "--prompt", "The capital of France is", "--max_new_tokens",
-                             "4", "--temperature", "0", "--json")
+    code, out, err = run_cli(
+        capsys,
+        "--cache",
+        cache,
+        "--prompt",
+        "The capital of France is",
+        "--max_new_tokens",
+        "4",
+        "--temperature",
+        "0",
+        "--json",
+    )
     assert code == 0, err
     result = json.loads(out)
     # The default budget is SpeCache 1-bit's fast tier at this length: the whole short prompt fits,
@@ -191,8 +256,12 @@ def test_eviction_caches_run_and_report_their_budget(capsys, smollm2_checkpoint,
     assert "Paris" in result["texts"][0]
 
 
-@pytest.mark.parametrize("extra", [[], ["--batch_size", "2"], ["--json"], ["--specache", "--batch_size", "2"]])
-def test_ctrl_c_during_decode_prints_what_was_generated(capsys, smollm2_checkpoint, monkeypatch, extra):
+@pytest.mark.parametrize(
+    "extra", [[], ["--batch_size", "2"], ["--json"], ["--specache", "--batch_size", "2"]]
+)
+def test_ctrl_c_during_decode_prints_what_was_generated(
+    capsys, smollm2_checkpoint, monkeypatch, extra
+):
     argv = ["--prompt", "One, two, three,", "--temperature", "0", *extra]
     code, whole, err = run_cli(capsys, *argv, "--max_new_tokens", "4")
     assert code == 0, err
@@ -208,9 +277,12 @@ def test_ctrl_c_during_decode_prints_what_was_generated(capsys, smollm2_checkpoi
                     raise KeyboardInterrupt
 
             return real(*args, callback=ctrl_c, **kwargs)
+
         return wrapped
 
-    monkeypatch.setattr(generate_module, "generate", interrupt_after_four_tokens(generate_module.generate))
+    monkeypatch.setattr(
+        generate_module, "generate", interrupt_after_four_tokens(generate_module.generate)
+    )
     code, out, err = run_cli(capsys, *argv, "--max_new_tokens", "50")
     assert code == 130 and "[interrupted]" in err and "Traceback" not in err
     if "--json" in extra:
@@ -229,38 +301,74 @@ def test_repeated_samples_report_the_same_generation(capsys, smollm2_checkpoint,
     essay = sorted(essays_dir().glob("*.txt"))[0].read_text(encoding="utf-8")[:2500]
     prompt = essay + "\n\nIn one sentence, what is this essay about?"
     (tmp_path / "prompt.txt").write_text(prompt, encoding="utf-8")
-    code, out, err = run_cli(capsys, "--specache", "--prompt_file", str(tmp_path / "prompt.txt"), "--temperature", "0",
-                             "--num_samples", "3", "--specache_topk", "16", "--specache_group", "32",
-                             "--specache_residual", "32", "--max_new_tokens", "40", "--batch_size", "2")
+    code, out, err = run_cli(
+        capsys,
+        "--specache",
+        "--prompt_file",
+        str(tmp_path / "prompt.txt"),
+        "--temperature",
+        "0",
+        "--num_samples",
+        "3",
+        "--specache_topk",
+        "16",
+        "--specache_group",
+        "32",
+        "--specache_residual",
+        "32",
+        "--max_new_tokens",
+        "40",
+        "--batch_size",
+        "2",
+    )
     assert code == 0, err
     summaries = [line for line in err.splitlines() if line.startswith("specache 1-bit")]
     assert len(summaries) == 3 and len(set(summaries)) == 1, summaries
-    generated = [text.strip() for text in out.split(prompt)[1:]]  # each sequence prints the prompt, then its text
+    # each sequence prints the prompt, then its text
+    generated = [text.strip() for text in out.split(prompt)[1:]]
     assert len(generated) == 6 and len(set(generated)) == 1 and generated[0]
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["--slow_tier", "disk"], "--slow_tier and --slow_tier_dir apply to SpeCache, not --cache full"),
-    (["--cache", "kivi", "--slow_tier", "disk"], "not --cache kivi"),
-    (["--specache", "--slow_tier_dir", "/tmp"], "--slow_tier_dir needs --slow_tier disk"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (
+            ["--slow_tier", "disk"],
+            "--slow_tier and --slow_tier_dir apply to SpeCache, not --cache full",
+        ),
+        (["--cache", "kivi", "--slow_tier", "disk"], "not --cache kivi"),
+        (["--specache", "--slow_tier_dir", "/tmp"], "--slow_tier_dir needs --slow_tier disk"),
+    ],
+)
 def test_slow_tier_flags_that_do_not_apply(capsys, tiny_checkpoint, argv, fragment):
     code, _, err = run_cli(capsys, "--checkpoint", str(tiny_checkpoint), "--prompt", "hi", *argv)
     assert_one_line_error(code, err, fragment)
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["--specache", "--full_16bit"], "--full_16bit applies to --cache full, not specache"),
-    (["--compile_per_block"], "--compile_per_block goes with --compile"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--specache", "--full_16bit"], "--full_16bit applies to --cache full, not specache"),
+        (["--compile_per_block"], "--compile_per_block goes with --compile"),
+    ],
+)
 def test_full_cache_and_compile_flags_that_do_not_apply(capsys, tiny_checkpoint, argv, fragment):
     code, _, err = run_cli(capsys, "--checkpoint", str(tiny_checkpoint), *argv)
     assert_one_line_error(code, err, fragment)
 
 
 def test_full_16bit_reports_a_float16_cache(capsys, smollm2_checkpoint):
-    code, out, err = run_cli(capsys, "--checkpoint", str(smollm2_checkpoint), "--full_16bit", "--json", "--temperature",
-                             "0", "--max_new_tokens", "4")
+    code, out, err = run_cli(
+        capsys,
+        "--checkpoint",
+        str(smollm2_checkpoint),
+        "--full_16bit",
+        "--json",
+        "--temperature",
+        "0",
+        "--max_new_tokens",
+        "4",
+    )
     assert code == 0, err
     assert '"kv_dtype": "torch.float16"' in out  # SpeCache's 16-bit pair type beside float32
 
@@ -275,15 +383,33 @@ def test_cache_capacity_rounds_only_compiled_steps():
     assert generate_module.cache_capacity(9000, True, 8192) == 9000
 
 
-@pytest.mark.parametrize("extra, expected", [([], "needed"), (["--compile"], 1024),
-                                             (["--compile", "--max_seq_length", "300"], 300)])
-def test_generate_sizes_the_cache_by_cache_capacity(monkeypatch, smollm2_checkpoint, extra, expected):
+@pytest.mark.parametrize(
+    "extra, expected",
+    [([], "needed"), (["--compile"], 1024), (["--compile", "--max_seq_length", "300"], 300)],
+)
+def test_generate_sizes_the_cache_by_cache_capacity(
+    monkeypatch, smollm2_checkpoint, extra, expected
+):
     """generate.py's cache: what the prompt and new tokens need; with --compile rounded up; with
     --max_seq_length as given."""
     seen = []
-    monkeypatch.setattr(generate_module, "cache_from_args",
-                        lambda args, model, batch, capacity, *rest: seen.append(capacity))
-    args = generate_module.build_parser().parse_args(["--checkpoint", str(smollm2_checkpoint), "--prompt",
-                                                      "hello there", "--max_new_tokens", "5", *extra])
-    _, _, _, prompts, _, _ = generate_module.prepare(args, torch.device("cpu"), torch.float32, lambda *a: None)
+    monkeypatch.setattr(
+        generate_module,
+        "cache_from_args",
+        lambda args, model, batch, capacity, *rest: seen.append(capacity),
+    )
+    args = generate_module.build_parser().parse_args(
+        [
+            "--checkpoint",
+            str(smollm2_checkpoint),
+            "--prompt",
+            "hello there",
+            "--max_new_tokens",
+            "5",
+            *extra,
+        ]
+    )
+    _, _, _, prompts, _, _ = generate_module.prepare(
+        args, torch.device("cpu"), torch.float32, lambda *a: None
+    )
     assert seen == [len(prompts[0]) + 5 if expected == "needed" else expected]

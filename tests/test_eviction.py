@@ -1,11 +1,18 @@
 """StreamingLLM and H2O caches: what they keep, and that what they keep is attended exactly."""
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model
 from caches import FullCache, equal_budget_tokens
-from eviction import EvictionCache, EvictionConfig, EvictionLayer, EvictionState, prompt_attention_mass
+from eviction import (
+    EvictionCache,
+    EvictionConfig,
+    EvictionLayer,
+    EvictionState,
+    prompt_attention_mass,
+)
 from generate import generate
 from model import CausalPrompt
 from caches import PluggedSpeCache
@@ -37,9 +44,11 @@ def streaming_reference(model, prompts, new_tokens, budget, sinks):
     lengths = torch.tensor([len(p) for p in prompts])
     tokens = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
     for b, p in enumerate(prompts):
-        tokens[b, :len(p)] = torch.tensor(p)
+        tokens[b, : len(p)] = torch.tensor(p)
     positions = torch.arange(tokens.shape[1]).expand(len(prompts), -1)
-    token = model(tokens, positions, CausalPrompt(lengths), output_index=(lengths - 1)[:, None]).argmax(-1)
+    token = model(
+        tokens, positions, CausalPrompt(lengths), output_index=(lengths - 1)[:, None]
+    ).argmax(-1)
     out, pos = [token], lengths[:, None].clone()
     kv = torch.arange(model.max_seq_length)
     for _ in range(new_tokens - 1):
@@ -57,17 +66,23 @@ def test_streaming_that_evicts_equals_full_attention_masked_to_what_it_keeps():
     model = tiny_model()
     prompts = [prompt(60), prompt(45, seed=2)]
     expected = streaming_reference(model, prompts, 30, budget=24, sinks=4)
-    cache = EvictionCache(model, 2, 90, EvictionConfig("streaming", budget=24, pair_dtype=torch.float32))
+    cache = EvictionCache(
+        model, 2, 90, EvictionConfig("streaming", budget=24, pair_dtype=torch.float32)
+    )
     assert generate(model, cache, prompts, 30, temperature=0).tokens == expected
     unlimited = generate(model, FullCache(model, 2, 90), prompts, 30, temperature=0).tokens
-    assert unlimited != expected  # the eviction changes what is generated, so the comparison can tell
+    # the eviction changes what is generated, so the comparison can tell
+    assert unlimited != expected
 
 
 def test_prompt_attention_mass_is_the_column_sum_of_causal_attention():
     torch.manual_seed(0)
     q, k = torch.randn(4, 300, 16), torch.randn(2, 300, 16)
-    weights = torch.softmax((q.view(2, 2, 300, 16) @ k.unsqueeze(1).transpose(-1, -2)) / 4
-                            + torch.full((300, 300), float("-inf")).triu(1), -1)
+    weights = torch.softmax(
+        (q.view(2, 2, 300, 16) @ k.unsqueeze(1).transpose(-1, -2)) / 4
+        + torch.full((300, 300), float("-inf")).triu(1),
+        -1,
+    )
     torch.testing.assert_close(prompt_attention_mass(q, k, chunk=64), weights.sum((1, 2)))
 
 
@@ -75,7 +90,11 @@ def layer_with(policy: str, budget: int, n_prompt: int, mass=None) -> EvictionLa
     state = EvictionState(EvictionConfig(policy, budget), 1)
     state.begin([n_prompt])
     layer = EvictionLayer(state, 2, 8, torch.float32, torch.device("cpu"))
-    k = torch.arange(n_prompt, dtype=torch.float32).view(1, 1, n_prompt, 1).expand(1, 2, n_prompt, 8)
+    k = (
+        torch.arange(n_prompt, dtype=torch.float32)
+        .view(1, 1, n_prompt, 1)
+        .expand(1, 2, n_prompt, 8)
+    )
     layer.ingest_prompt(k, k.clone(), mass)
     return layer
 
@@ -83,7 +102,19 @@ def layer_with(policy: str, budget: int, n_prompt: int, mass=None) -> EvictionLa
 def test_streaming_keeps_sinks_and_the_newest_tokens():
     layer = layer_with("streaming", budget=10, n_prompt=30)
     assert layer.pos[0, 0].tolist() == [0, 1, 2, 3, 24, 25, 26, 27, 28, 29]
-    assert layer.k[0, 1, :, 0].tolist() == [0, 1, 2, 3, 24, 25, 26, 27, 28, 29]  # the pairs went with them
+    # the pairs went with them
+    assert layer.k[0, 1, :, 0].tolist() == [
+        0,
+        1,
+        2,
+        3,
+        24,
+        25,
+        26,
+        27,
+        28,
+        29,
+    ]
     for position in (30, 31):
         q, k = torch.randn(1, 4, 1, 8), torch.full((1, 2, 1, 8), float(position))
         layer.decode_step(q, k, k.clone(), torch.tensor([[position]]))
@@ -115,7 +146,9 @@ def test_decode_step_attends_exactly_over_the_kept_pairs():
     q = torch.randn(1, 4, 1, 8)
     y = layer.decode_step(q, k_all[:, :, 20:], v_all[:, :, 20:], torch.tensor([[20]]))
     kept = [0, 1, 16, 17, 18, 19, 20]
-    expected = F.scaled_dot_product_attention(q, k_all[:, :, kept], v_all[:, :, kept], enable_gqa=True)
+    expected = F.scaled_dot_product_attention(
+        q, k_all[:, :, kept], v_all[:, :, kept], enable_gqa=True
+    )
     torch.testing.assert_close(y, expected)
 
 
@@ -124,16 +157,21 @@ def test_equal_budget_matches_specache_fast_tier_bytes():
     config = specache_config(bits=1, group=32, residual=32, topk=16)
     budget = equal_budget_tokens(model, 1000, config)
     specache_bytes = PluggedSpeCache(model, 1, 1000, config).layers[0].fast_tier_bytes()
-    eviction_bytes = EvictionCache(model, 1, 1000, EvictionConfig("h2o", budget)).layers[0].fast_tier_bytes()
+    eviction_bytes = (
+        EvictionCache(model, 1, 1000, EvictionConfig("h2o", budget)).layers[0].fast_tier_bytes()
+    )
     per_token = eviction_bytes / budget
     assert specache_bytes - per_token < eviction_bytes <= specache_bytes
 
 
-@pytest.mark.parametrize("config, message", [
-    (EvictionConfig("lru", 10), "unknown eviction policy"),
-    (EvictionConfig("h2o", 1), "at least 2"),
-    (EvictionConfig("streaming", 4, sink_tokens=4), "sink tokens"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (EvictionConfig("lru", 10), "unknown eviction policy"),
+        (EvictionConfig("h2o", 1), "at least 2"),
+        (EvictionConfig("streaming", 4, sink_tokens=4), "sink tokens"),
+    ],
+)
 def test_invalid_configs_are_refused(config, message):
     with pytest.raises(ValueError, match=message):
         EvictionCache(tiny_model(), 1, 100, config)

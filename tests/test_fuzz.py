@@ -1,6 +1,7 @@
 """Property-based checks (hypothesis) over small random models, cache settings and ragged batches:
 SpeCache that fetches every position reproduces the full cache, and every invalid setting is
 refused with its documented ValueError. Examples are derandomized, so CI sees the same ones."""
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -21,9 +22,15 @@ def model_and_cache(draw):
     n_head = n_kv * draw(st.sampled_from([1, 2, 3]))
     head_dim = draw(st.sampled_from([16, 32]))
     group = draw(st.sampled_from([8, 16]))
-    model_config = dict(n_layer=draw(st.integers(1, 2)), n_head=n_head, n_local_heads=n_kv, dim=n_head * head_dim)
-    cache = dict(bits=draw(st.sampled_from([1, 2])), group=group, residual=group * draw(st.integers(1, 2)),
-                 speculative=draw(st.booleans()))
+    model_config = dict(
+        n_layer=draw(st.integers(1, 2)), n_head=n_head, n_local_heads=n_kv, dim=n_head * head_dim
+    )
+    cache = dict(
+        bits=draw(st.sampled_from([1, 2])),
+        group=group,
+        residual=group * draw(st.integers(1, 2)),
+        speculative=draw(st.booleans()),
+    )
     lengths = draw(st.lists(st.integers(1, 90), min_size=1, max_size=3))
     return model_config, cache, lengths, draw(st.integers(2, 12)), draw(st.integers(0, 2**16))
 
@@ -36,8 +43,11 @@ def test_fetching_every_position_reproduces_the_full_cache(case):
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in lengths]
     context = max(lengths) + new_tokens
-    full = generate(model, FullCache(model, len(prompts), context), prompts, new_tokens, temperature=0)
-    # twice the context and more: room for a slot at every position (see specache_stats.fast_tier_plan)
+    full = generate(
+        model, FullCache(model, len(prompts), context), prompts, new_tokens, temperature=0
+    )
+    # twice the context and more: room for a slot at every position (see
+    # specache_stats.fast_tier_plan)
     capacity = 2 * context + 128
     config = specache_config(topk=capacity, pair_dtype=torch.float32, **cache)
     specache = PluggedSpeCache(model, len(prompts), capacity, config)
@@ -46,11 +56,14 @@ def test_fetching_every_position_reproduces_the_full_cache(case):
 
 
 INVALID = st.one_of(
-    st.builds(dict, bits=st.integers(-3, 8).filter(lambda b: b not in (1, 2))).map(lambda c: (c, "bits must be 1 or 2")),
+    st.builds(dict, bits=st.integers(-3, 8).filter(lambda b: b not in (1, 2))).map(
+        lambda c: (c, "bits must be 1 or 2")
+    ),
     st.builds(dict, group=st.integers(-4, 0)).map(lambda c: (c, "must be positive")),
     st.builds(dict, residual=st.integers(-4, 0)).map(lambda c: (c, "must be positive")),
-    st.builds(dict, group=st.sampled_from([16, 32]), residual=st.sampled_from([8, 24, 40]))
-    .map(lambda c: (c, "multiple of the group size")),
+    st.builds(dict, group=st.sampled_from([16, 32]), residual=st.sampled_from([8, 24, 40])).map(
+        lambda c: (c, "multiple of the group size")
+    ),
     st.builds(dict, topk=st.integers(-100, -1)).map(lambda c: (c, "top-k must be >= 0")),
 )
 

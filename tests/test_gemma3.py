@@ -4,6 +4,7 @@ Gemma3ForCausalLM loaded from the same GGUF, and SpeCache on its hybrid layout =
 The prompt is 600 tokens of essay text, so the sliding-window layers' 512-token rings wrap
 during prefill, and the cached decode steps read wrapped rings.
 """
+
 import pytest
 import torch
 
@@ -25,22 +26,41 @@ def prompt(gemma3_checkpoint) -> list[int]:
 
 def test_config_matches_the_architecture(gemma3_model):
     c = gemma3_model.config
-    assert (c.n_layer, c.dim, c.n_head, c.n_local_heads, c.head_dim, c.intermediate_size) == (18, 640, 4, 1, 256, 2048)
+    assert (c.n_layer, c.dim, c.n_head, c.n_local_heads, c.head_dim, c.intermediate_size) == (
+        18,
+        640,
+        4,
+        1,
+        256,
+        2048,
+    )
     assert [i for i in range(c.n_layer) if c.window(i) is None] == [5, 11, 17]
-    assert (c.sliding_window, c.rope_base, c.rope_local_base, c.vocab_size) == (512, 1e6, 1e4, 262144)
+    assert (c.sliding_window, c.rope_base, c.rope_local_base, c.vocab_size) == (
+        512,
+        1e6,
+        1e4,
+        262144,
+    )
     assert c.tie_embeddings and c.qk_norm and c.sandwich_norm and c.scale_embeddings
 
 
 def test_logits_match_hf_gemma3_prefill_and_cached_decode(gemma3_model, gemma3_gguf, prompt):
     from transformers import Gemma3ForCausalLM
 
-    hf = Gemma3ForCausalLM.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name, dtype=torch.float32)
+    hf = Gemma3ForCausalLM.from_pretrained(
+        gemma3_gguf.parent, gguf_file=gemma3_gguf.name, dtype=torch.float32
+    )
     ids = torch.tensor([prompt + [0] * DECODE_STEPS])
     with torch.no_grad():
         hf_logits = hf(ids[:, :PROMPT_TOKENS]).logits[0, -1]
         # HF's decode continues greedily from its own cache; ours is fed the same tokens
-        out = hf.generate(ids[:, :PROMPT_TOKENS], max_new_tokens=DECODE_STEPS, do_sample=False,
-                          output_logits=True, return_dict_in_generate=True)
+        out = hf.generate(
+            ids[:, :PROMPT_TOKENS],
+            max_new_tokens=DECODE_STEPS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     del hf
     reference = torch.stack([hf_logits] + [step[0] for step in out.logits[1:]])
     tokens = out.sequences[0, PROMPT_TOKENS:].tolist()
@@ -60,10 +80,13 @@ def test_specache_fetching_every_position_reproduces_the_full_cache(gemma3_model
     """Top-k at least the context, fp32 pairs: the global layers' SpeCache and the local layers'
     rings, through two-row decode steps, generate what the full cache generates."""
     model, new_tokens = gemma3_model, 24
-    full = generate(model, FullCache(model, 1, PROMPT_TOKENS + new_tokens), [prompt], new_tokens, temperature=0)
+    full = generate(
+        model, FullCache(model, 1, PROMPT_TOKENS + new_tokens), [prompt], new_tokens, temperature=0
+    )
     for bits in (1, 2):
         config = specache_config(bits=bits, topk=1024, pair_dtype=torch.float32)
-        # twice the context: room for a slot at every position it quantizes (specache_stats.fast_tier_plan)
+        # twice the context: room for a slot at every position it quantizes
+        # (specache_stats.fast_tier_plan)
         cache = PluggedSpeCache(model, 1, 2 * (PROMPT_TOKENS + new_tokens), config)
         result = generate(model, cache, [prompt], new_tokens, temperature=0)
         assert result.tokens == full.tokens, bits

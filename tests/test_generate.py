@@ -1,4 +1,5 @@
 """Generation: cache vs recompute, compiled vs eager, ragged batches, reproducibility."""
+
 import pytest
 import torch
 
@@ -15,7 +16,7 @@ def test_cached_decode_equals_full_recompute():
     with torch.no_grad():
         model.setup_caches(1, 64)
         logits = model(sequence, torch.arange(sequence.shape[1])[None])
-    recomputed = logits[0, len(prompt) - 1: -1].argmax(-1).tolist()
+    recomputed = logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
     assert recomputed == result.tokens[0]
 
 
@@ -23,8 +24,10 @@ def test_greedy_generation_is_reproducible_and_sampling_follows_the_seed():
     model = tiny_model()
     cache = FullCache(model, 1, 64)
     prompt = list(range(10, 30))
-    assert generate(model, cache, [prompt], 20, temperature=0).tokens == generate(model, cache, [prompt], 20,
-                                                                                  temperature=0).tokens
+    assert (
+        generate(model, cache, [prompt], 20, temperature=0).tokens
+        == generate(model, cache, [prompt], 20, temperature=0).tokens
+    )
     runs = []
     for _ in range(2):
         torch.manual_seed(7)
@@ -61,7 +64,8 @@ def test_compiled_flex_decode_matches_eager_and_never_recompiles(whole_step):
 
     model = tiny_model()
     prompts = [list(range(5, 40)), list(range(20, 30))]
-    eager = generate(model, FullCache(model, 2, 300), prompts, 240, temperature=0)  # crosses blocks 128, 256
+    # crosses blocks 128, 256
+    eager = generate(model, FullCache(model, 2, 300), prompts, 240, temperature=0)
     torch._dynamo.reset()
     counters.clear()
     compile_decode(model, whole_step=whole_step)

@@ -1,4 +1,6 @@
-"""The evaluation harness: one prefill branched into each cache gives what each cache gives alone."""
+"""The evaluation harness: one prefill branched into each cache gives what each cache gives
+alone."""
+
 import json
 import types
 
@@ -33,7 +35,9 @@ def test_shared_prefill_gives_each_method_its_own_generation(layout):
         if method in ("full", "full-16bit"):
             cache = FullCache(model, 1, capacity, sixteen_bit=method == "full-16bit")
         elif method in ("streaming", "h2o"):
-            cache = EvictionCache(model, 1, capacity, EvictionConfig(method, runner.budget(capacity)))
+            cache = EvictionCache(
+                model, 1, capacity, EvictionConfig(method, runner.budget(capacity))
+            )
         else:
             kind, bits, select = parse_method(method)
             cache = make_cache(method, model, 1, capacity, topk=TOPK)
@@ -61,7 +65,9 @@ def test_batched_copies_change_nothing():
     prefilled = runner.prefill(prompt, 12)
     for method in runner.methods:
         alone = runner.decode(method, prompt, prefilled, 12).tokens[0]
-        assert runner.decode(method, prompt, prefilled, 12, batch_size=3).tokens == [alone] * 3, method
+        assert runner.decode(method, prompt, prefilled, 12, batch_size=3).tokens == [alone] * 3, (
+            method
+        )
 
 
 def test_prompt_format_auto_picks_chat_for_chat_tuned_names_only():
@@ -69,25 +75,41 @@ def test_prompt_format_auto_picks_chat_for_chat_tuned_names_only():
 
     assert wants_chat("auto", "SmolLM2-135M-Instruct") and wants_chat("auto", "gemma-3-1b-it")
     assert not wants_chat("auto", "gemma-3-270m") and not wants_chat("auto", "Meta-Llama-3-8B")
-    assert wants_chat("chat", "gemma-3-270m") and not wants_chat("completion", "SmolLM2-135M-Instruct")
+    assert wants_chat("chat", "gemma-3-270m") and not wants_chat(
+        "completion", "SmolLM2-135M-Instruct"
+    )
 
 
 def test_method_names_carry_a_selection():
-    config = lambda method: specache_config(*parse_method(method), topk=64)
+    def config(method):
+        return specache_config(*parse_method(method), topk=64)
+
     paper, oracle = config("specache-1bit:paper")
     assert oracle is None and paper.method.speculative
-    assert (paper.selection.real_share, paper.selection.gqa, paper.selection.levels) == (0.0, "mean", "minmax")
+    assert (paper.selection.real_share, paper.selection.gqa, paper.selection.levels) == (
+        0.0,
+        "mean",
+        "minmax",
+    )
     assert config("specache-1bit") == config("specache-1bit:default")
     kivi, _ = config("kivi-2bit")
     assert (kivi.method.topk, kivi.method.bits, kivi.selection.name()) == (0, 2, "paper")
     nospec, _ = config("specache-nospec-1bit:split,sinks=8")
-    assert (nospec.method.speculative, nospec.selection.real_share, nospec.selection.sinks) == (False, 0.5, 8)
-    # an oracle: diagnostics that choose all k within the step, on top of the selection named with it
+    assert (nospec.method.speculative, nospec.selection.real_share, nospec.selection.sinks) == (
+        False,
+        0.5,
+        8,
+    )
+    # an oracle: diagnostics that choose all k within the step, on top of the selection named with
+    # it
     mass, oracle = config("specache-1bit:oracle=mass,sinks=2")
     assert oracle == "mass" and (mass.selection.real_share, mass.selection.sinks) == (1.0, 2)
     assert config("specache-1bit:oracle")[1] == "error"
-    for bad, message in [("full:paper", "unknown method"), ("specache-3bit", "unknown method"),
-                         ("specache-1bit:sideways", "unknown --specache_select entry"),
-                         ("specache-1bit:oracle=maybe", "oracle must be error or mass")]:
+    for bad, message in [
+        ("full:paper", "unknown method"),
+        ("specache-3bit", "unknown method"),
+        ("specache-1bit:sideways", "unknown --specache_select entry"),
+        ("specache-1bit:oracle=maybe", "oracle must be error or mass"),
+    ]:
         with pytest.raises(ValueError, match=message):
             parse_method(bad)

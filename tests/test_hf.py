@@ -2,6 +2,7 @@
 interface, the adapter's two-row loop) gives the greedy tokens our model gives with SpeCache on the
 same weights, k below the context, for our selection and the paper's: a tiny random Llama, and
 SmolLM2 loaded into HF from the same GGUF as ours."""
+
 import pytest
 import torch
 
@@ -41,11 +42,16 @@ def test_a_tiny_hf_llama_with_specache_gives_our_tokens(tmp_path, select):
     expected = ours(model, config, prompts, 170)
     assert theirs(hf_model, config, prompts, 170) == expected
     # the comparison can tell: the full cache answers otherwise
-    assert generate(model, FullCache(model, 3, 170), prompts, NEW_TOKENS, temperature=0).tokens != expected
+    assert (
+        generate(model, FullCache(model, 3, 170), prompts, NEW_TOKENS, temperature=0).tokens
+        != expected
+    )
 
 
 @pytest.mark.parametrize("select", ["default", "paper"])
-def test_smollm2_in_hf_with_specache_gives_our_tokens(smollm2_model, smollm2_checkpoint, hf_smollm2, select):
+def test_smollm2_in_hf_with_specache_gives_our_tokens(
+    smollm2_model, smollm2_checkpoint, hf_smollm2, select
+):
     import tokenizer
     from scripts.haystack import needle_prompt
 

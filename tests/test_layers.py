@@ -1,6 +1,7 @@
 """The project's modules form layers: a module imports only modules of lower layers (or its own,
 without a cycle), wherever the import statement sits, inside functions and `if TYPE_CHECKING:`
 blocks included. `python tests/test_layers.py` prints the import graph, layer by layer."""
+
 import ast
 import sys
 from pathlib import Path
@@ -11,7 +12,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [
     ["specache", "config", "tokenizer"],
     ["kernels.cpu_build", "kernels.cpu_ops"],
-    ["kernels.lowbit_cpu", "kernels.lowbit_triton", "kernels.linear_cpu", "kernels.dense_cpu", "kernels.rank_cpu"],
+    [
+        "kernels.lowbit_cpu",
+        "kernels.lowbit_triton",
+        "kernels.linear_cpu",
+        "kernels.dense_cpu",
+        "kernels.rank_cpu",
+    ],
     ["model"],
     ["quantize", "convert"],
     ["disk_tier", "specache_stats"],
@@ -26,10 +33,17 @@ LAYERS = [
 
 
 def project_modules() -> dict[str, Path]:
-    files = [*REPO_ROOT.glob("*.py"), *REPO_ROOT.glob("kernels/*.py"), *REPO_ROOT.glob("integrations/*.py"),
-             *REPO_ROOT.glob("scripts/*.py")]
-    return {".".join(f.relative_to(REPO_ROOT).with_suffix("").parts): f for f in files
-            if f.name != "__init__.py"}
+    files = [
+        *REPO_ROOT.glob("*.py"),
+        *REPO_ROOT.glob("kernels/*.py"),
+        *REPO_ROOT.glob("integrations/*.py"),
+        *REPO_ROOT.glob("scripts/*.py"),
+    ]
+    return {
+        ".".join(f.relative_to(REPO_ROOT).with_suffix("").parts): f
+        for f in files
+        if f.name != "__init__.py"
+    }
 
 
 def imports(path: Path, modules: set[str]) -> set[str]:
@@ -58,12 +72,18 @@ def layer_of(module: str) -> int:
 
 
 def test_every_module_has_a_layer():
-    unplaced = [m for m in graph() if not m.startswith("scripts.") and not any(m in layer for layer in LAYERS)]
+    unplaced = [
+        m
+        for m in graph()
+        if not m.startswith("scripts.") and not any(m in layer for layer in LAYERS)
+    ]
     assert not unplaced, f"put these modules in a layer of LAYERS: {unplaced}"
 
 
 def test_no_module_imports_one_above_it():
-    upward = [(a, b) for a, targets in graph().items() for b in targets if layer_of(b) > layer_of(a)]
+    upward = [
+        (a, b) for a, targets in graph().items() for b in targets if layer_of(b) > layer_of(a)
+    ]
     assert not upward, f"imports of a higher layer (module -> what it imports): {upward}"
 
 
@@ -73,10 +93,24 @@ def test_specache_and_the_hf_adapter_import_nothing_of_the_project_but_specache(
     edges = graph()
     assert edges["specache"] == set() and edges["integrations.hf"] == {"specache"}
     stdlib = set(sys.stdlib_module_names)
-    for module, allowed in (("specache", {"torch"}), ("integrations.hf", {"torch", "transformers", "specache"})):
-        tree = ast.parse((REPO_ROOT / (module.replace(".", "/") + ".py")).read_text(encoding="utf-8"))
-        names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-        names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    for module, allowed in (
+        ("specache", {"torch"}),
+        ("integrations.hf", {"torch", "transformers", "specache"}),
+    ):
+        tree = ast.parse(
+            (REPO_ROOT / (module.replace(".", "/") + ".py")).read_text(encoding="utf-8")
+        )
+        names = {
+            alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+        }
+        names |= {
+            node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module
+        }
         assert {name.split(".")[0] for name in names} <= stdlib | allowed, module
 
 
@@ -88,7 +122,9 @@ def test_there_are_no_import_cycles():
         state[module] = "open"
         for target in sorted(edges[module]):
             if state.get(target) == "open":
-                raise AssertionError(f"import cycle: {' -> '.join(path[path.index(target):] + [target])}")
+                raise AssertionError(
+                    f"import cycle: {' -> '.join(path[path.index(target) :] + [target])}"
+                )
             if target not in state:
                 visit(target, path + [target])
         state[module] = "done"

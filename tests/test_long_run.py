@@ -1,11 +1,19 @@
 """scripts/long_run.py: the drift and memory checks, shortened."""
+
 import types
 
 import torch
 
 from conftest import tiny_model
 from scripts.harness import Runner
-from scripts.long_run import distinct_ngrams, drift, first_difference, full_cache_choices, memory, windows
+from scripts.long_run import (
+    distinct_ngrams,
+    drift,
+    first_difference,
+    full_cache_choices,
+    memory,
+    windows,
+)
 
 STUB = types.SimpleNamespace(stop_ids=[], decode=lambda ids: " ".join(map(str, ids)))
 
@@ -38,7 +46,8 @@ def test_shortened_drift_run_on_the_real_model(smollm2_checkpoint):
     markdown, raw = drift(runner, haystack_tokens(tokenizer, 400), 60, 20)
     rows = raw["rows"]
     assert len(rows["full"]["agreement"]) == 3 and "| 40-60 |" in markdown
-    assert min(rows["full"]["agreement"]) >= 0.95  # the floor numerics set: a broken comparison would not reach it
+    # the floor numerics set: a broken comparison would not reach it
+    assert min(rows["full"]["agreement"]) >= 0.95
     assert sum(rows["specache-2bit"]["agreement"]) / 3 >= 0.8
     assert all(len(tokens) == 60 for tokens in raw["tokens"].values())
     assert rows["full"]["leaves_full_at"] == 60

@@ -1,11 +1,26 @@
 """specache.py's low-bit copy (quantization rules, bit packing) and its mixed-precision attention,
 composed of its ops, against attention spelled out over every key a row sees."""
+
 import pytest
 import torch
 
-from specache import (LowBitKV, Segments, dequantize_keys, dequantize_values, drop_from_lowbit,
-                      lowbit_partial_attention, merge_segments, pack_bits, position_weights, positions_mask,
-                      query_rows, quantize_groups, quantize_keys, quantize_values, unpack_bits)
+from specache import (
+    LowBitKV,
+    Segments,
+    dequantize_keys,
+    dequantize_values,
+    drop_from_lowbit,
+    lowbit_partial_attention,
+    merge_segments,
+    pack_bits,
+    position_weights,
+    positions_mask,
+    query_rows,
+    quantize_groups,
+    quantize_keys,
+    quantize_values,
+    unpack_bits,
+)
 
 # the ops run on the C kernels where they build (tests/test_specache.py runs the references too)
 pytestmark = pytest.mark.usefixtures("specache_kernels")
@@ -14,23 +29,29 @@ pytestmark = pytest.mark.usefixtures("specache_kernels")
 @pytest.mark.parametrize("bits", [1, 2])
 @pytest.mark.parametrize("n", [1, 3, 4, 5, 7, 8, 9, 15, 16, 17, 64, 65, 127])
 def test_pack_unpack_is_bit_exact_at_every_length(bits, n):
-    codes = torch.randint(0, 1 << bits, (3, 2, n), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    codes = torch.randint(
+        0, 1 << bits, (3, 2, n), dtype=torch.uint8, generator=torch.Generator().manual_seed(n)
+    )
     packed = pack_bits(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape[-1] == (n * bits + 7) // 8
     assert torch.equal(unpack_bits(packed, bits, n), codes)
 
 
 def test_pack_bits_layout_is_low_bits_first():
-    assert pack_bits(torch.tensor([1, 0, 0, 0, 0, 0, 0, 1], dtype=torch.uint8), 1).item() == 0b10000001
+    assert (
+        pack_bits(torch.tensor([1, 0, 0, 0, 0, 0, 0, 1], dtype=torch.uint8), 1).item() == 0b10000001
+    )
     assert pack_bits(torch.tensor([3, 0, 1, 2], dtype=torch.uint8), 2).item() == 0b10010011
 
 
 def test_one_bit_levels_are_a_quarter_and_three_quarters_of_the_range():
-    x = torch.tensor([[-2.0, -1.0, 0.0, 0.999, 1.0, 3.0, 6.0]])  # min -2, max 6, range 8, midpoint 2
+    # min -2, max 6, range 8, midpoint 2
+    x = torch.tensor([[-2.0, -1.0, 0.0, 0.999, 1.0, 3.0, 6.0]])
     codes, scale, zero = quantize_groups(x, 1, -1, torch.float32)
     levels = sorted(set((codes.float() * scale + zero).flatten().tolist()))
     assert levels == [0.0, 4.0]  # min + range/4, min + 3*range/4
-    assert codes.tolist() == [[0, 0, 0, 0, 0, 1, 1]]  # x >= midpoint 2 -> 1, and the max is clamped to 1
+    # x >= midpoint 2 -> 1, and the max is clamped to 1
+    assert codes.tolist() == [[0, 0, 0, 0, 0, 1, 1]]
     codes, _, _ = quantize_groups(torch.tensor([[-2.0, 2.0, 6.0]]), 1, -1, torch.float32)
     assert codes.tolist() == [[0, 1, 1]]  # exactly the midpoint rounds up
 
@@ -56,23 +77,43 @@ def test_keys_are_grouped_over_tokens_per_channel_and_values_over_channels_per_t
     torch.manual_seed(0)
     k, v = torch.randn(2, 3, 128, 64), torch.randn(2, 3, 128, 64)
     packed, scale, zero = quantize_keys(k, bits, 32, torch.float16)
-    assert packed.shape == (2, 3, 128, 64 * bits // 8) and scale.shape == zero.shape == (2, 3, 4, 64)
-    codes, s, z = quantize_groups(k[:, :, 32:64], bits, 2, torch.float16)  # tokens 32..63, each channel
-    torch.testing.assert_close(dequantize_keys(packed, scale, zero, bits, 32)[:, :, 32:64],
-                               codes.float() * s.float() + z.float())
+    assert packed.shape == (2, 3, 128, 64 * bits // 8) and scale.shape == zero.shape == (
+        2,
+        3,
+        4,
+        64,
+    )
+    # tokens 32..63, each channel
+    codes, s, z = quantize_groups(k[:, :, 32:64], bits, 2, torch.float16)
+    torch.testing.assert_close(
+        dequantize_keys(packed, scale, zero, bits, 32)[:, :, 32:64],
+        codes.float() * s.float() + z.float(),
+    )
     packed, scale, zero = quantize_values(v, bits, 32, torch.float16)
     assert scale.shape == zero.shape == (2, 3, 128, 2)
-    codes, s, z = quantize_groups(v[..., 32:], bits, 3, torch.float16)  # channels 32..63, each token
-    torch.testing.assert_close(dequantize_values(packed, scale, zero, bits, 32)[..., 32:],
-                               codes.float() * s.float() + z.float())
+    # channels 32..63, each token
+    codes, s, z = quantize_groups(v[..., 32:], bits, 3, torch.float16)
+    torch.testing.assert_close(
+        dequantize_values(packed, scale, zero, bits, 32)[..., 32:],
+        codes.float() * s.float() + z.float(),
+    )
 
 
 def lowbit_copy(bits, group, t=256, b=2, n_kv=3, d=64, seed=0):
     g = torch.Generator().manual_seed(seed)
-    k = torch.randn(b, n_kv, t, d, generator=g) * torch.linspace(0.2, 4, d)  # outlier channels, as real keys
+    # outlier channels, as real keys
+    k = torch.randn(b, n_kv, t, d, generator=g) * torch.linspace(0.2, 4, d)
     v = torch.randn(b, n_kv, t, d, generator=g)
-    return LowBitKV(*quantize_keys(k, bits, group, torch.float16), *quantize_values(v, bits, group, torch.float16),
-                    bits, group), k, v
+    return (
+        LowBitKV(
+            *quantize_keys(k, bits, group, torch.float16),
+            *quantize_values(v, bits, group, torch.float16),
+            bits,
+            group,
+        ),
+        k,
+        v,
+    )
 
 
 def mixed_attention(q, kv: LowBitKV, seg: Segments):
@@ -83,8 +124,16 @@ def mixed_attention(q, kv: LowBitKV, seg: Segments):
     rows = query_rows(q, kv.k_packed.shape[1])
     part = lowbit_partial_attention(rows, kv, seg)
     merged = merge_segments(rows, part, seg)
-    weights = position_weights(part.weights, merged.lowbit_scale, merged.p_fetched, seg.fetched_pos,
-                               merged.p_window, seg.quantized_len, s, s - 1)
+    weights = position_weights(
+        part.weights,
+        merged.lowbit_scale,
+        merged.p_fetched,
+        seg.fetched_pos,
+        merged.p_window,
+        seg.quantized_len,
+        s,
+        s - 1,
+    )
     return merged.out.reshape(b, n_heads, s, d).to(q.dtype), weights.mean(2)
 
 
@@ -109,16 +158,16 @@ def mixed_attention_reference(q, kv: LowBitKV, seg: Segments):
     visible = torch.zeros(b, 1, s, t + r + s, dtype=torch.bool)
     for bi in range(b):
         visible[bi, :, :, : seg.quantized_len[bi]] = True
-        visible[bi, :, :, t: t + seg.window_len[bi]] = True
+        visible[bi, :, :, t : t + seg.window_len[bi]] = True
         for row in range(s):
-            visible[bi, :, row, t + r: t + r + row + 1] = True
-    scores = (q.float() @ keys.repeat_interleave(g, 1).transpose(-1, -2)) * d ** -0.5
+            visible[bi, :, row, t + r : t + r + row + 1] = True
+    scores = (q.float() @ keys.repeat_interleave(g, 1).transpose(-1, -2)) * d**-0.5
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     out = probs @ values.repeat_interleave(g, 1)
     position_weights = probs[:, :, -1, :t].clone()
     for bi in range(b):
         lq, wl = int(seg.quantized_len[bi]), int(seg.window_len[bi])
-        position_weights[bi, :, lq: lq + wl] += probs[bi, :, -1, t: t + wl]
+        position_weights[bi, :, lq : lq + wl] += probs[bi, :, -1, t : t + wl]
     position_weights = position_weights.view(b, n_kv, g, t).mean(2)
     return out.to(q.dtype), position_weights
 
@@ -126,14 +175,28 @@ def mixed_attention_reference(q, kv: LowBitKV, seg: Segments):
 def segments(kv, k, v, s, k_fetch=8, window=64, seed=1):
     g = torch.Generator().manual_seed(seed)
     b, n_kv, t, d = k.shape
-    quantized_len = torch.tensor([t - window, t - 2 * window])[:b]  # the window's positions follow Lq
-    fetched_pos = torch.stack([torch.randperm(t, generator=g)[:k_fetch] for _ in range(b * n_kv)]).view(b, n_kv, -1)
+    # the window's positions follow Lq
+    quantized_len = torch.tensor([t - window, t - 2 * window])[:b]
+    fetched_pos = torch.stack(
+        [torch.randperm(t, generator=g)[:k_fetch] for _ in range(b * n_kv)]
+    ).view(b, n_kv, -1)
     fetched_valid = fetched_pos < quantized_len[:, None, None]
-    gather = lambda x: x.gather(2, fetched_pos.unsqueeze(-1).expand(-1, -1, -1, d))
-    return Segments(quantized_len, gather(k), gather(v), fetched_pos, fetched_valid,
-                    torch.randn(b, n_kv, window, d, generator=g), torch.randn(b, n_kv, window, d, generator=g),
-                    torch.tensor([5, 0])[:b], torch.randn(b, n_kv, s, d, generator=g),
-                    torch.randn(b, n_kv, s, d, generator=g))
+
+    def gather(x):
+        return x.gather(2, fetched_pos.unsqueeze(-1).expand(-1, -1, -1, d))
+
+    return Segments(
+        quantized_len,
+        gather(k),
+        gather(v),
+        fetched_pos,
+        fetched_valid,
+        torch.randn(b, n_kv, window, d, generator=g),
+        torch.randn(b, n_kv, window, d, generator=g),
+        torch.tensor([5, 0])[:b],
+        torch.randn(b, n_kv, s, d, generator=g),
+        torch.randn(b, n_kv, s, d, generator=g),
+    )
 
 
 @pytest.mark.parametrize("bits", [1, 2])
@@ -146,7 +209,7 @@ def test_mixed_attention_matches_reference(bits, s):
     ref_out, ref_weights = mixed_attention_reference(q, kv, seg)
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(weights, ref_weights, rtol=1e-4, atol=1e-6)
-    assert not weights[1, :, 256 - 64:].any(), "positions past Lq got weight"
+    assert not weights[1, :, 256 - 64 :].any(), "positions past Lq got weight"
 
 
 def test_compiled_mixed_attention_matches_reference():
@@ -164,9 +227,18 @@ def test_fetching_every_position_is_exact_attention():
     kv, k, v = lowbit_copy(1, 64, b=1)
     t = k.shape[2]
     everything = torch.arange(t).view(1, 1, t).expand(1, 3, t)
-    seg = Segments(torch.tensor([t]), k, v, everything, torch.ones(1, 3, t, dtype=torch.bool),
-                   torch.zeros(1, 3, 64, 64), torch.zeros(1, 3, 64, 64), torch.tensor([0]),
-                   torch.randn(1, 3, 2, 64), torch.randn(1, 3, 2, 64))
+    seg = Segments(
+        torch.tensor([t]),
+        k,
+        v,
+        everything,
+        torch.ones(1, 3, t, dtype=torch.bool),
+        torch.zeros(1, 3, 64, 64),
+        torch.zeros(1, 3, 64, 64),
+        torch.tensor([0]),
+        torch.randn(1, 3, 2, 64),
+        torch.randn(1, 3, 2, 64),
+    )
     q = torch.randn(1, 9, 2, 64)
     out, _ = mixed_attention(q, kv, seg)
     keys = torch.cat([k, seg.new_k], 2).repeat_interleave(3, 1)
@@ -178,7 +250,8 @@ def test_fetching_every_position_is_exact_attention():
 
 
 def test_lloyd_levels_are_the_means_of_the_two_halves_and_fit_better():
-    x = torch.tensor([[-2.0, -1.0, 0.0, 0.999, 1.0, 3.0, 6.0]])  # midpoint 2: halves {-2..1} and {3, 6}
+    # midpoint 2: halves {-2..1} and {3, 6}
+    x = torch.tensor([[-2.0, -1.0, 0.0, 0.999, 1.0, 3.0, 6.0]])
     codes, scale, zero = quantize_groups(x, 1, -1, torch.float32, "lloyd")
     assert zero.item() == pytest.approx(-1.001 / 5) and (scale + zero).item() == pytest.approx(4.5)
     assert codes.tolist() == [[0, 0, 0, 0, 0, 1, 1]]
@@ -190,8 +263,13 @@ def test_lloyd_levels_are_the_means_of_the_two_halves_and_fit_better():
         errors[levels] = ((codes.float() * scale.float() + zero.float() - data) ** 2).mean()
     assert errors["lloyd"] < 0.6 * errors["minmax"]
     # 2-bit copies keep the uniform levels
-    assert all(torch.equal(a, b) for a, b in zip(quantize_groups(data, 2, 0, torch.float16, "lloyd"),
-                                                 quantize_groups(data, 2, 0, torch.float16)))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            quantize_groups(data, 2, 0, torch.float16, "lloyd"),
+            quantize_groups(data, 2, 0, torch.float16),
+        )
+    )
 
 
 def test_positions_mask_counts_a_position_once_whatever_invalid_slots_repeat():
@@ -213,18 +291,30 @@ def test_dropping_positions_equals_excluding_them_from_the_pass(bits):
     picked = torch.stack([torch.randperm(100, generator=g)[:12] for _ in range(6)]).view(2, 3, 12)
     picked_valid = torch.rand(2, 3, 12, generator=g) < 0.8
     picked_valid[..., 0], picked_valid[..., 11] = True, False
-    picked[..., 11] = picked[..., 0]  # an invalid entry repeating a valid one (kernels/rank_cpu.c leaves them so)
+    # an invalid entry repeating a valid one (kernels/rank_cpu.c leaves them so)
+    picked[..., 11] = picked[..., 0]
     before = lowbit_partial_attention(rows, kv, seg)
     part = drop_from_lowbit(before, kv, picked, picked_valid)
-    both = seg._replace(fetched_pos=torch.cat([seg.fetched_pos, picked], -1),
-                        fetched_valid=torch.cat([seg.fetched_valid, picked_valid], -1))
+    both = seg._replace(
+        fetched_pos=torch.cat([seg.fetched_pos, picked], -1),
+        fetched_valid=torch.cat([seg.fetched_valid, picked_valid], -1),
+    )
     expected = lowbit_partial_attention(rows, kv, both)
-    torch.testing.assert_close(part.weights * torch.exp(part.row_max).unsqueeze(-1),
-                               expected.weights * torch.exp(expected.row_max).unsqueeze(-1), rtol=1e-5, atol=1e-6)
-    scale = torch.exp(part.row_max - expected.row_max)  # the same pieces, against another row maximum
+    torch.testing.assert_close(
+        part.weights * torch.exp(part.row_max).unsqueeze(-1),
+        expected.weights * torch.exp(expected.row_max).unsqueeze(-1),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    # the same pieces, against another row maximum
+    scale = torch.exp(part.row_max - expected.row_max)
     # the subtraction's error is a few ulps of the sum before it, not of what remains
     assert ((part.row_sum - expected.row_sum / scale).abs() <= 1e-5 * before.row_sum + 1e-6).all()
     # the output per unit of the low-bit weight: the subtraction's error is a few ulps of the sum
     # taken away (here up to half of it), not of what remains
-    torch.testing.assert_close(part.out / part.row_sum.unsqueeze(-1), expected.out / expected.row_sum.unsqueeze(-1),
-                               rtol=0, atol=5e-5)
+    torch.testing.assert_close(
+        part.out / part.row_sum.unsqueeze(-1),
+        expected.out / expected.row_sum.unsqueeze(-1),
+        rtol=0,
+        atol=5e-5,
+    )

@@ -1,9 +1,11 @@
-"""The Triton kernels of the low-bit segment against specache.py's plain-PyTorch definition of the op.
+"""The Triton kernels of the low-bit segment against specache.py's plain-PyTorch definition of the
+op.
 
 On a GPU they run for real (scripts/gpu_check.sh); on a CPU with Triton installed they run in
 Triton's interpreter, in a subprocess (TRITON_INTERPRET must be set before the kernels are
 defined); without Triton these tests are skipped.
 """
+
 import importlib.util
 import os
 import subprocess
@@ -20,12 +22,22 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 # (KV heads, rows, head_dim, T, visible, excluded per head): SmolLM2 and Llama-3-8B decode shapes,
 # T neither a multiple of the block nor of the group, nothing excluded (KIVI), nothing visible.
-CASES = [(3, 6, 64, 1000, 930, 64), (8, 8, 128, 200, 200, 16), (2, 3, 64, 130, 64, 0), (2, 6, 64, 64, 0, 8)]
+CASES = [
+    (3, 6, 64, 1000, 930, 64),
+    (8, 8, 128, 200, 200, 16),
+    (2, 3, 64, 130, 64, 0),
+    (2, 6, 64, 64, 0, 8),
+]
 
 
 def check_all(device: str) -> None:
     from kernels.lowbit_triton import run_kernels
-    from specache import LowBitKV, lowbit_partial_attention_reference, quantize_keys, quantize_values
+    from specache import (
+        LowBitKV,
+        lowbit_partial_attention_reference,
+        quantize_keys,
+        quantize_values,
+    )
 
     for bits in (1, 2):
         for n_kv, m, d, t, visible, k in CASES:
@@ -35,23 +47,43 @@ def check_all(device: str) -> None:
             keys = torch.randn(2, n_kv, padded, d, generator=g) * torch.linspace(0.2, 3, d)
             values = torch.randn(2, n_kv, t, d, generator=g)
             k_packed, k_scale, k_zero = quantize_keys(keys, bits, group, torch.float16)
-            kv = LowBitKV(k_packed[:, :, :t].contiguous(), k_scale, k_zero,
-                          *quantize_values(values, bits, group, torch.float16), bits, group)
-            rows = torch.randn(2, n_kv, m, d, generator=g) * d ** -0.5
+            kv = LowBitKV(
+                k_packed[:, :, :t].contiguous(),
+                k_scale,
+                k_zero,
+                *quantize_values(values, bits, group, torch.float16),
+                bits,
+                group,
+            )
+            rows = torch.randn(2, n_kv, m, d, generator=g) * d**-0.5
             visible_len = torch.tensor([visible, max(0, visible - 17)])
-            excluded = torch.stack([torch.randperm(t, generator=g)[:k] for _ in range(2 * n_kv)]).view(2, n_kv, k)
+            excluded = torch.stack(
+                [torch.randperm(t, generator=g)[:k] for _ in range(2 * n_kv)]
+            ).view(2, n_kv, k)
             excluded_valid = torch.rand(2, n_kv, k, generator=g) < 0.8
-            expected = lowbit_partial_attention_reference(rows, *kv[:6], bits, group, visible_len, excluded,
-                                                          excluded_valid)
+            expected = lowbit_partial_attention_reference(
+                rows, *kv[:6], bits, group, visible_len, excluded, excluded_valid
+            )
             moved = [x.to(device) for x in (rows, *kv[:6])]
-            got = run_kernels(*moved, bits, group, visible_len.to(device), excluded.to(device),
-                              excluded_valid.to(device))
+            got = run_kernels(
+                *moved,
+                bits,
+                group,
+                visible_len.to(device),
+                excluded.to(device),
+                excluded_valid.to(device),
+            )
             for name, a, b in zip(("weights", "row_max", "row_sum", "out"), got, expected):
                 finite = b.isfinite()
                 assert torch.equal(a.cpu().isfinite(), finite), (name, bits, t)
                 scale = b[finite].abs().max().item() if finite.any() else 1.0
-                torch.testing.assert_close(a.cpu()[finite], b[finite], rtol=1e-4, atol=1e-5 * scale,
-                                           msg=lambda text: f"{name}, bits {bits}, T {t}: {text}")
+                torch.testing.assert_close(
+                    a.cpu()[finite],
+                    b[finite],
+                    rtol=1e-4,
+                    atol=1e-5 * scale,
+                    msg=lambda text: f"{name}, bits {bits}, T {t}: {text}",
+                )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -69,17 +101,37 @@ def test_the_op_on_cuda_dispatches_to_triton_once_registered(monkeypatch):
     real = lowbit_triton.run_kernels
     monkeypatch.setattr(lowbit_triton, "run_kernels", lambda *args: calls.append(1) or real(*args))
     keys, values = torch.randn(1, 2, 128, 64), torch.randn(1, 2, 128, 64)
-    kv = LowBitKV(*quantize_keys(keys, 1, 64, torch.float16), *quantize_values(values, 1, 64, torch.float16), 1, 64)
+    kv = LowBitKV(
+        *quantize_keys(keys, 1, 64, torch.float16),
+        *quantize_values(values, 1, 64, torch.float16),
+        1,
+        64,
+    )
     torch.ops.specache.lowbit_partial_attention(
-        torch.randn(1, 2, 4, 64, device="cuda"), *(x.cuda() for x in kv[:6]), 1, 64, torch.tensor([100], device="cuda"),
-        torch.zeros(1, 2, 8, dtype=torch.long, device="cuda"), torch.ones(1, 2, 8, dtype=torch.bool, device="cuda"))
+        torch.randn(1, 2, 4, 64, device="cuda"),
+        *(x.cuda() for x in kv[:6]),
+        1,
+        64,
+        torch.tensor([100], device="cuda"),
+        torch.zeros(1, 2, 8, dtype=torch.long, device="cuda"),
+        torch.ones(1, 2, 8, dtype=torch.bool, device="cuda"),
+    )
     assert calls
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels run for real")
 def test_triton_kernels_match_the_reference_in_the_interpreter():
-    script = "import sys; sys.path.insert(0, 'tests'); import test_lowbit_triton as t; t.check_all('cpu')"
+    script = (
+        "import sys; sys.path.insert(0, 'tests'); import test_lowbit_triton as t; "
+        "t.check_all('cpu')"
+    )
     env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]

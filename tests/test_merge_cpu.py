@@ -6,6 +6,7 @@ row sees, the low-bit ones included; the op once the kernel is registered.
 Tolerances as in test_cpu_kernels.py: 1e-5 of the largest magnitude, where one wrong mask entry or
 row moves a probability by 1e-2 or more.
 """
+
 import platform
 import shutil
 
@@ -15,11 +16,15 @@ import torch
 from kernels import cpu_build, dense_cpu
 from specache import merge_segments_reference
 
-pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc: only the reference exists")
+pytestmark = pytest.mark.skipif(
+    shutil.which("gcc") is None, reason="no gcc: only the reference exists"
+)
 
 
 def close(got: torch.Tensor, want: torch.Tensor, tolerance: float = 1e-5) -> None:
-    torch.testing.assert_close(got, want, rtol=0, atol=tolerance * (want.abs().max().item() if want.numel() else 0))
+    torch.testing.assert_close(
+        got, want, rtol=0, atol=tolerance * (want.abs().max().item() if want.numel() else 0)
+    )
 
 
 def merge_segments(*inputs):
@@ -36,26 +41,38 @@ def libs():
     return built
 
 
-def merge_problem(b=1, h=3, g=3, s=2, d=64, t=50, f=20, r=24, dtype=torch.float16, seed=0, lowbit=True):
+def merge_problem(
+    b=1, h=3, g=3, s=2, d=64, t=50, f=20, r=24, dtype=torch.float16, seed=0, lowbit=True
+):
     """Random segments, the low-bit pass computed from t explicit keys (so that a plain softmax can
-    check the merge), and the new pairs strided as the model's K, V are (B, S, Hkv, D) transposed."""
+    check the merge), and the new pairs strided as the model's K, V are (B, S, Hkv, D)
+    transposed."""
     gen = torch.Generator().manual_seed(seed)
     m = g * s
-    rows = torch.randn(b, h, m, d, generator=gen) * 2 * d ** -0.5  # already scaled: scores of a few units
-    low_k, low_v = torch.randn(b, h, t if lowbit else 0, d, generator=gen), torch.randn(b, h, t if lowbit else 0, d,
-                                                                                      generator=gen)
+    # already scaled: scores of a few units
+    rows = torch.randn(b, h, m, d, generator=gen) * 2 * d**-0.5
+    low_k, low_v = (
+        torch.randn(b, h, t if lowbit else 0, d, generator=gen),
+        torch.randn(b, h, t if lowbit else 0, d, generator=gen),
+    )
     scores = rows @ low_k.transpose(-1, -2)
     row_max = scores.amax(-1) if lowbit else torch.full((b, h, m), float("-inf"))
     weights = torch.exp(scores - row_max.unsqueeze(-1)) if lowbit else scores
+
     def pair(n):
         return [torch.randn(b, h, n, d, generator=gen).to(dtype) for _ in range(2)]
 
     (fetched_k, fetched_v), (window_k, window_v) = pair(f), pair(r)
     segments = dict(
-        fetched_k=fetched_k, fetched_v=fetched_v, fetched_valid=torch.rand(b, h, f, generator=gen) > 0.3,
-        window_k=window_k, window_v=window_v, window_len=torch.randint(0, r + 1, (b,), generator=gen),
+        fetched_k=fetched_k,
+        fetched_v=fetched_v,
+        fetched_valid=torch.rand(b, h, f, generator=gen) > 0.3,
+        window_k=window_k,
+        window_v=window_v,
+        window_len=torch.randint(0, r + 1, (b,), generator=gen),
         new_k=torch.randn(b, s, h, d, generator=gen).transpose(1, 2),
-        new_v=torch.randn(b, s, h, d, generator=gen).transpose(1, 2))
+        new_v=torch.randn(b, s, h, d, generator=gen).transpose(1, 2),
+    )
     inputs = (rows, row_max, weights.sum(-1), weights @ low_v, *segments.values())
     return inputs, (low_k, low_v)
 
@@ -72,11 +89,27 @@ def spelled_out(inputs, low):
         for hi in range(h):
             for row in range(m):
                 seen = [(low_k[bi, hi], low_v[bi, hi], None)]
-                seen.append((fk[bi, hi][valid[bi, hi]].float(), fv[bi, hi][valid[bi, hi]].float(),
-                             (0, valid[bi, hi].nonzero()[:, 0])))
-                seen.append((wk[bi, hi, :window_len[bi]].float(), wv[bi, hi, :window_len[bi]].float(),
-                             (1, torch.arange(int(window_len[bi])))))
-                seen.append((nk[bi, hi, :row % s + 1], nv[bi, hi, :row % s + 1], (2, torch.arange(row % s + 1))))
+                seen.append(
+                    (
+                        fk[bi, hi][valid[bi, hi]].float(),
+                        fv[bi, hi][valid[bi, hi]].float(),
+                        (0, valid[bi, hi].nonzero()[:, 0]),
+                    )
+                )
+                seen.append(
+                    (
+                        wk[bi, hi, : window_len[bi]].float(),
+                        wv[bi, hi, : window_len[bi]].float(),
+                        (1, torch.arange(int(window_len[bi]))),
+                    )
+                )
+                seen.append(
+                    (
+                        nk[bi, hi, : row % s + 1],
+                        nv[bi, hi, : row % s + 1],
+                        (2, torch.arange(row % s + 1)),
+                    )
+                )
                 keys, values = torch.cat([x[0] for x in seen]), torch.cat([x[1] for x in seen])
                 p = torch.softmax(keys @ rows[bi, hi, row], 0)
                 out[bi, hi, row] = p @ values
@@ -85,15 +118,19 @@ def spelled_out(inputs, low):
                     first = low_k[bi, hi] @ rows[bi, hi, row]
                     scale[bi, hi, row] = p[0] / torch.exp(first[0] - first.max())
                 for _, _, (seg, where) in seen[1:]:
-                    probs[seg][bi, hi, row, where] = p[start: start + len(where)]
+                    probs[seg][bi, hi, row, where] = p[start : start + len(where)]
                     start += len(where)
     return out, scale, *probs
 
 
-SHAPES = [dict(), dict(b=2, h=2, g=4, s=1, d=128, f=70, r=33), dict(d=256, f=5, r=40),
-          dict(d=40, f=17, r=9),  # the plain loops (head_dim not a multiple of 16)
-          dict(f=0, r=16, s=1),  # nothing fetched yet
-          dict(b=1, h=3, g=3, s=2, d=64, t=300, f=128, r=128)]  # SmolLM2's step
+SHAPES = [
+    dict(),
+    dict(b=2, h=2, g=4, s=1, d=128, f=70, r=33),
+    dict(d=256, f=5, r=40),
+    dict(d=40, f=17, r=9),  # the plain loops (head_dim not a multiple of 16)
+    dict(f=0, r=16, s=1),  # nothing fetched yet
+    dict(b=1, h=3, g=3, s=2, d=64, t=300, f=128, r=128),  # SmolLM2's step
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -109,7 +146,8 @@ def test_merge_matches_a_softmax_over_every_key_a_row_sees(libs, dtype, shape):
 
 
 def test_merge_with_nothing_low_bit_yet(libs):
-    """row_max = -inf (a copy that holds nothing): the low-bit share is 0 and the segments alone count."""
+    """row_max = -inf (a copy that holds nothing): the low-bit share is 0 and the segments alone
+    count."""
     inputs, low = merge_problem(lowbit=False)
     want = spelled_out(inputs, low)
     for lib in libs.values():
@@ -127,8 +165,12 @@ def test_unseen_pairs_get_exactly_zero(libs):
         _, _, p_fetched, p_window, p_new = dense_cpu.run_merge_kernel(lib, *inputs)
         assert (p_fetched.masked_select(~valid.unsqueeze(2)) == 0).all()
         for bi in range(2):
-            assert (p_window[bi, :, :, window_len[bi]:] == 0).all() and (p_window[bi, :, :, :window_len[bi]] > 0).all()
-        assert (p_new[:, :, 0::2, 1] == 0).all() and (p_new[:, :, 1::2, 1] > 0).all()  # row = g*S + s
+            assert (p_window[bi, :, :, window_len[bi] :] == 0).all() and (
+                p_window[bi, :, :, : window_len[bi]] > 0
+            ).all()
+        assert (p_new[:, :, 0::2, 1] == 0).all() and (
+            p_new[:, :, 1::2, 1] > 0
+        ).all()  # row = g*S + s
 
 
 def test_merge_does_not_depend_on_threads_or_strides(libs):
@@ -155,18 +197,25 @@ def test_cpp_and_python_dispatch_run_the_same_merge(libs):
 def test_more_rows_than_the_kernel_holds_go_to_the_reference(libs):
     """Grouped-query heads of 40 query heads x 2 rows: M = 80 > 64, the reference serves."""
     inputs, _ = merge_problem(g=40, d=32)
-    assert all(torch.equal(a, b) for a, b in zip(merge_segments(*inputs), merge_segments_reference(*inputs)))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(merge_segments(*inputs), merge_segments_reference(*inputs))
+    )
 
 
-@pytest.mark.parametrize("corrupt, message", [
-    (lambda x: (x[0].double(), *x[1:]), "rows must be"),
-    (lambda x: (*x[:4], x[4][:, :, :-1], *x[5:]), r"k and \w*v must be"),
-    (lambda x: (*x[:6], x[6][:, :, :-1], *x[7:]), "fetched_valid"),
-    (lambda x: (*x[:9], x[9].int(), *x[10:]), "window_len"),
-    (lambda x: (*x[:10], x[10][:, :, :0], x[11][:, :, :0]), "S >= 1"),
-])
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda x: (x[0].double(), *x[1:]), "rows must be"),
+        (lambda x: (*x[:4], x[4][:, :, :-1], *x[5:]), r"k and \w*v must be"),
+        (lambda x: (*x[:6], x[6][:, :, :-1], *x[7:]), "fetched_valid"),
+        (lambda x: (*x[:9], x[9].int(), *x[10:]), "window_len"),
+        (lambda x: (*x[:10], x[10][:, :, :0], x[11][:, :, :0]), "S >= 1"),
+    ],
+)
 def test_merge_bad_inputs_raise_value_error(libs, corrupt, message):
-    """The checks that guard the kernel's reads and writes: in C++ (the op) and in Python (ctypes)."""
+    """The checks that guard the kernel's reads and writes: in C++ (the op) and in Python
+    (ctypes)."""
     inputs, _ = merge_problem()
     with pytest.raises(ValueError, match=message):
         merge_segments(*corrupt(inputs))

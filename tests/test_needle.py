@@ -1,4 +1,5 @@
 """The needle sweep's scoring, tables and heatmaps, driven by a fake runner (no model)."""
+
 import types
 
 import pytest
@@ -12,11 +13,14 @@ def test_rouge1_recall_of_the_needle():
     assert rouge1_recall("") == 0.0
     # The needle has 21 tokens after ROUGE's lowercasing and splitting ("in" and "a" twice); this
     # reply covers "the best thing to do in san francisco is" and one "a": 10 of them.
-    assert rouge1_recall("The best thing to do in San Francisco is to start a startup.") == pytest.approx(10 / 21)
+    assert rouge1_recall(
+        "The best thing to do in San Francisco is to start a startup."
+    ) == pytest.approx(10 / 21)
 
 
 class FakeRunner:
     """Answers right only at depth 0, and only for `good`; the prompt itself is real."""
+
     methods = ["full", "good", "bad"]
     chat = True
 
@@ -26,13 +30,27 @@ class FakeRunner:
     def run(self, prompt, max_new_tokens):
         self.calls += 1
         depth0 = self.calls % 2 == 1  # cells come length-major, depths [0, 100]
-        reply = lambda right: NEEDLE.strip() if right else "I do not know."
-        stats = dict(fast_tier_ratio_to_16bit_cache=0.14, speculative_match_rate=0.5, bytes_fetched_per_token=2000.0,
-                     diagnostics=dict(coverage=0.8, oracle_coverage=0.9, recall_own_lowbit=0.25, recall_exact=0.5,
-                                      per_layer=dict(coverage=[0.7, 0.9], oracle_coverage=[0.8, 1.0])))
-        return {"full": types.SimpleNamespace(text=reply(True), fast_tier_bytes=None, stats={}),
-                "good": types.SimpleNamespace(text=reply(depth0), fast_tier_bytes=10, stats=stats),
-                "bad": types.SimpleNamespace(text=reply(False), fast_tier_bytes=10, stats=stats)}
+
+        def reply(right):
+            return NEEDLE.strip() if right else "I do not know."
+
+        stats = dict(
+            fast_tier_ratio_to_16bit_cache=0.14,
+            speculative_match_rate=0.5,
+            bytes_fetched_per_token=2000.0,
+            diagnostics=dict(
+                coverage=0.8,
+                oracle_coverage=0.9,
+                recall_own_lowbit=0.25,
+                recall_exact=0.5,
+                per_layer=dict(coverage=[0.7, 0.9], oracle_coverage=[0.8, 1.0]),
+            ),
+        )
+        return {
+            "full": types.SimpleNamespace(text=reply(True), fast_tier_bytes=None, stats={}),
+            "good": types.SimpleNamespace(text=reply(depth0), fast_tier_bytes=10, stats=stats),
+            "bad": types.SimpleNamespace(text=reply(False), fast_tier_bytes=10, stats=stats),
+        }
 
 
 def test_sweep_tables_and_heatmaps(tmp_path):

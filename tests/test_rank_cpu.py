@@ -6,6 +6,7 @@ positions in the same order. tests/test_specache.py checks the op against a per-
 over the dequantized copy (an independent reference), and the whole selection through SpeCache's
 layer against the reference decoder.
 """
+
 import platform
 import shutil
 
@@ -15,7 +16,9 @@ import torch
 from kernels import cpu_build, rank_cpu
 from specache import top_positions_reference
 
-pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc: only the reference exists")
+pytestmark = pytest.mark.skipif(
+    shutil.which("gcc") is None, reason="no gcc: only the reference exists"
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,17 +46,44 @@ def problem(b=2, h=3, g=3, s=2, t=300, n_fetched=9, n_window=16, n_excluded=12, 
     excluded_valid = torch.rand(b, h, n_excluded) < 0.6
     if n_excluded > 1:  # an invalid repeat of a valid slot
         excluded_pos[..., 1], excluded_valid[..., 1] = excluded_pos[..., 0], False
-    return dict(weights=torch.rand(b, h, m, t), scale=torch.rand(b, h, m, 1), p_fetched=torch.rand(b, h, m, n_fetched),
-                fetched_pos=fetched_pos, p_window=torch.rand(b, h, m, n_window),
-                window_start=torch.randint(max(t - n_window - 4, 0), t + 1, (b,)), excluded_pos=excluded_pos,
-                excluded_valid=excluded_valid)
+    return dict(
+        weights=torch.rand(b, h, m, t),
+        scale=torch.rand(b, h, m, 1),
+        p_fetched=torch.rand(b, h, m, n_fetched),
+        fetched_pos=fetched_pos,
+        p_window=torch.rand(b, h, m, n_window),
+        window_start=torch.randint(max(t - n_window - 4, 0), t + 1, (b,)),
+        excluded_pos=excluded_pos,
+        excluded_valid=excluded_valid,
+    )
 
 
 def both(lib, inputs, **options):
-    args = dict(inputs, s=options.get("s", 2), row=options.get("row", 0), gqa_max=options.get("gqa_max", True),
-                lower=options.get("lower", 0), upper=options["upper"], k=options.get("k", 16))
-    names = ("weights", "scale", "p_fetched", "fetched_pos", "p_window", "window_start", "s", "row", "gqa_max", "lower",
-             "upper", "excluded_pos", "excluded_valid", "k")
+    args = dict(
+        inputs,
+        s=options.get("s", 2),
+        row=options.get("row", 0),
+        gqa_max=options.get("gqa_max", True),
+        lower=options.get("lower", 0),
+        upper=options["upper"],
+        k=options.get("k", 16),
+    )
+    names = (
+        "weights",
+        "scale",
+        "p_fetched",
+        "fetched_pos",
+        "p_window",
+        "window_start",
+        "s",
+        "row",
+        "gqa_max",
+        "lower",
+        "upper",
+        "excluded_pos",
+        "excluded_valid",
+        "k",
+    )
     ordered = [args[name] for name in names]
     return rank_cpu.run_kernel(lib, *ordered), top_positions_reference(*ordered)
 
@@ -62,7 +92,9 @@ def assert_same_choice(kernel, reference):
     (indices, valid), (ref_indices, ref_valid) = kernel, reference
     assert torch.equal(valid, ref_valid)
     assert torch.equal(torch.where(valid, indices, -1), torch.where(ref_valid, ref_indices, -1))
-    assert ((indices >= 0) & (indices < 10**6)).all()  # invalid entries still point somewhere harmless
+    assert (
+        (indices >= 0) & (indices < 10**6)
+    ).all()  # invalid entries still point somewhere harmless
 
 
 @pytest.mark.parametrize("row", [0, 1])
@@ -74,8 +106,14 @@ def test_kernel_matches_reference(native, row, gqa_max, lower):
     assert_same_choice(*both(native, inputs, row=row, gqa_max=gqa_max, lower=lower, upper=upper))
 
 
-@pytest.mark.parametrize("shape", [dict(b=1, h=1, g=1, s=1, t=70), dict(b=3, h=2, g=4, s=2, t=1000),
-                                   dict(b=1, h=3, g=3, s=2, t=20000, n_fetched=68, n_window=128, n_excluded=68)])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(b=1, h=1, g=1, s=1, t=70),
+        dict(b=3, h=2, g=4, s=2, t=1000),
+        dict(b=1, h=3, g=3, s=2, t=20000, n_fetched=68, n_window=128, n_excluded=68),
+    ],
+)
 def test_plain_build_and_other_shapes_match_reference(native, portable, shape):
     inputs = problem(**shape)
     b, t, s = shape["b"], shape["t"], shape["s"]
@@ -131,8 +169,22 @@ def test_cpp_dispatch_and_compile_run_the_kernel(native):
     it, and the ctypes call give the same choice."""
     inputs = problem(t=500)
     upper = torch.tensor([480, 500])
-    args = (inputs["weights"], inputs["scale"], inputs["p_fetched"], inputs["fetched_pos"], inputs["p_window"],
-            inputs["window_start"], 2, 1, True, 4, upper, inputs["excluded_pos"], inputs["excluded_valid"], 20)
+    args = (
+        inputs["weights"],
+        inputs["scale"],
+        inputs["p_fetched"],
+        inputs["fetched_pos"],
+        inputs["p_window"],
+        inputs["window_start"],
+        2,
+        1,
+        True,
+        4,
+        upper,
+        inputs["excluded_pos"],
+        inputs["excluded_valid"],
+        20,
+    )
     direct = rank_cpu.run_kernel(native, *args)
     op = torch.ops.specache.top_positions
     public = op(*args)
@@ -141,14 +193,17 @@ def test_cpp_dispatch_and_compile_run_the_kernel(native):
         assert torch.equal(direct[0], other[0]) and torch.equal(direct[1], other[1])
 
 
-@pytest.mark.parametrize("corrupt", ["weights dtype", "no query rows", "scale shape", "fetched_pos shape",
-                                     "upper dtype", "row"])
+@pytest.mark.parametrize(
+    "corrupt",
+    ["weights dtype", "no query rows", "scale shape", "fetched_pos shape", "upper dtype", "row"],
+)
 def test_bad_inputs_raise_value_error(native, corrupt):
     inputs = problem(t=40)
     upper, row = torch.tensor([40, 40]), 0
     if corrupt == "weights dtype":
         inputs["weights"] = inputs["weights"].double()
-    elif corrupt == "no query rows":  # nothing to rank by: an error, not a choice from uninitialized memory
+    # nothing to rank by: an error, not a choice from uninitialized memory
+    elif corrupt == "no query rows":
         inputs["weights"] = inputs["weights"][:, :, :0]
     elif corrupt == "scale shape":
         inputs["scale"] = inputs["scale"][:, :, :3]

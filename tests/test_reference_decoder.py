@@ -5,6 +5,7 @@ Both decoders are greedy and fp32; they must produce the same tokens, and logits
 computation order: the implementation merges segments by log-sum-exp and subtracts the low-bit
 contributions of the exact positions, the reference dequantizes everything and takes one softmax.
 """
+
 import statistics
 
 import pytest
@@ -40,7 +41,8 @@ TINY_SEED = 14
 TINY_LENGTHS = (70, 47, 130)
 
 # SmolLM2 (logits up to ~45, 30 layers, k = 64 of ~1500): near-ties are unavoidable there (the
-# closest call is ~1e-6), and a swapped pick in an early layer grows through the later ones. Measured:
+# closest call is ~1e-6), and a swapped pick in an early layer grows through the later ones.
+# Measured:
 # largest difference 0.065 (1-bit default) and 0.088 (2-bit paper), median over the passes of each
 # pass's largest 2e-3 and 3.5e-3. Real errors are far larger even when the tokens still agree: with
 # the reference's gqa mean/max swapped, or k_real off by one either way, the largest difference was
@@ -56,12 +58,24 @@ def run_implementation(model, config, prompts, max_seq_length, oracle=None):
     """specache's tokens and every pass's logits after the prefill (bootstrap, then each step)."""
     probe = None
     if oracle is not None:
-        probe = Diagnostics(model.config.n_layer, model.config.n_local_heads, torch.device("cpu"), oracle, observe=False)
+        probe = Diagnostics(
+            model.config.n_layer,
+            model.config.n_local_heads,
+            torch.device("cpu"),
+            oracle,
+            observe=False,
+        )
     cache = PluggedSpeCache(model, len(prompts), max_seq_length, config, probe=probe)
-    layer = cache.layers[0]  # the capacities here are roomy: k and the sinks are the config's (see fast_tier_plan)
-    assert (layer.k_spec + layer.k_real, layer.n_sinks) == (config.method.topk, config.selection.sinks)
+    # the capacities here are roomy: k and the sinks are the config's (see fast_tier_plan)
+    layer = cache.layers[0]
+    assert (layer.k_spec + layer.k_real, layer.n_sinks) == (
+        config.method.topk,
+        config.selection.sinks,
+    )
     logits = []
-    hook = model.output.register_forward_hook(lambda module, args, out: logits.append(out.detach().float().clone()))
+    hook = model.output.register_forward_hook(
+        lambda module, args, out: logits.append(out.detach().float().clone())
+    )
     try:
         result = generate(model, cache, prompts, NEW_TOKENS, temperature=0)
     finally:
@@ -73,7 +87,9 @@ def config_of(select, bits, group, residual, topk, speculative, fp32_pairs=False
     """A SpeCacheConfig and the oracle its selection names (as --specache_select reads them)."""
     selection, oracle = split_oracle(select)
     placement = Placement(pair_dtype=torch.float32 if fp32_pairs else None)
-    return SpeCacheConfig(Method(bits, group, residual, topk, speculative), selection, placement), oracle
+    return SpeCacheConfig(
+        Method(bits, group, residual, topk, speculative), selection, placement
+    ), oracle
 
 
 def compare(model, config, prompts, max_seq_length, oracle=None):
@@ -130,10 +146,16 @@ def test_tiny_model_matches_reference(case):
     generator = torch.Generator().manual_seed(TINY_SEED)
     prompts = [spread_prompt(n, generator) for n in TINY_LENGTHS]
     max_seq_length = max(TINY_LENGTHS) + NEW_TOKENS + 8
-    tokens, ref_tokens, diffs, worst, min_gap = compare(model, config, prompts, max_seq_length, oracle)
-    assert min_gap > TINY_MIN_GAP, f"a near-tie in a top-k ({min_gap:.1e}): choose another seed or prompt"
+    tokens, ref_tokens, diffs, worst, min_gap = compare(
+        model, config, prompts, max_seq_length, oracle
+    )
+    assert min_gap > TINY_MIN_GAP, (
+        f"a near-tie in a top-k ({min_gap:.1e}): choose another seed or prompt"
+    )
     assert tokens == ref_tokens
-    assert diffs[worst] < TINY_ATOL, f"pass {worst} of {len(diffs)}: logits differ by {diffs[worst]:.2e}"
+    assert diffs[worst] < TINY_ATOL, (
+        f"pass {worst} of {len(diffs)}: logits differ by {diffs[worst]:.2e}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +170,11 @@ def smollm2_prompt(smollm2_checkpoint):
 def test_smollm2_matches_reference(smollm2_model, smollm2_prompt, bits, select):
     config, _ = config_of(select, bits, 64, 64, 64, True)
     max_seq_length = len(smollm2_prompt) + NEW_TOKENS + 8
-    tokens, ref_tokens, diffs, worst, _ = compare(smollm2_model, config, [smollm2_prompt], max_seq_length)
+    tokens, ref_tokens, diffs, worst, _ = compare(
+        smollm2_model, config, [smollm2_prompt], max_seq_length
+    )
     assert tokens == ref_tokens
-    assert diffs[worst] < SMOL_ATOL, f"pass {worst} of {len(diffs)}: logits differ by {diffs[worst]:.3f}"
+    assert diffs[worst] < SMOL_ATOL, (
+        f"pass {worst} of {len(diffs)}: logits differ by {diffs[worst]:.3f}"
+    )
     assert statistics.median(diffs) < SMOL_MEDIAN_ATOL, [round(d, 4) for d in diffs]

@@ -1,5 +1,6 @@
 """scripts/ruler.py: samples fit their length and hold their answers the way each RULER task asks;
 seeding; the metric; the CLI's tables and report driven by a fake runner (no model runs)."""
+
 import json
 import random
 import re
@@ -14,9 +15,14 @@ from scripts.ruler import NOISE, TASKS, largest_fitting, make_sample, string_mat
 LENGTHS = (1024, 2048)
 NIAH_TASKS = [task for task, config in TASKS.items() if config["kind"] == "niah"]
 # RULER's tokens_to_generate per task kind (scripts/data/synthetic/constants.py).
-TOKENS_TO_GENERATE = {"niah": 128, "variable_tracking": 30, "common_words_extraction": 120,
-                      "freq_words_extraction": 50}
-# What the assistant turn must start with: RULER's answer prefix, singular where one value is asked for.
+TOKENS_TO_GENERATE = {
+    "niah": 128,
+    "variable_tracking": 30,
+    "common_words_extraction": 120,
+    "freq_words_extraction": 50,
+}
+# What the assistant turn must start with: RULER's answer prefix, singular where one value is asked
+# for.
 ANSWER_PREFIXES = {
     "niah_single_1": r" The special magic number for .+ mentioned in the provided text is",
     "niah_single_2": r" The special magic number for .+ mentioned in the provided text is",
@@ -25,11 +31,14 @@ ANSWER_PREFIXES = {
     "niah_multikey_2": r" The special magic number for .+ mentioned in the provided text is",
     "niah_multikey_3": r" The special magic uuid for .+ mentioned in the provided text is",
     "niah_multivalue": r" The special magic numbers for .+ mentioned in the provided text are",
-    "niah_multiquery": r" The special magic numbers for .+, .+, .+, and .+ mentioned in the provided text are",
-    "vt": r" Answer: According to the chain\(s\) of variable assignment in the text above, 5 variables are "
-          r"assigned the value \d{5}, they are: ",
+    "niah_multiquery": r" The special magic numbers for .+, .+, .+, and .+ mentioned in the "
+    r"provided text are",
+    "vt": r" Answer: According to the chain\(s\) of variable assignment in the text above, 5 "
+    r"variables are "
+    r"assigned the value \d{5}, they are: ",
     "cwe": r" Answer: The top 10 words that appear most often in the list are:",
-    "fwe": r" Answer: According to the coded text above, the three most frequently appeared words are:",
+    "fwe": r" Answer: According to the coded text above, the three most frequently appeared words "
+    r"are:",
 }
 ASSISTANT = "<|im_start|>assistant\n"  # the default model (SmolLM2) uses ChatML
 
@@ -44,13 +53,16 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def samples(tokenizer):
-    return {(task, length): make_sample(task, tokenizer, length, random.Random(f"test/{task}/{length}"))
-            for task in TASKS for length in LENGTHS}
+    return {
+        (task, length): make_sample(task, tokenizer, length, random.Random(f"test/{task}/{length}"))
+        for task in TASKS
+        for length in LENGTHS
+    }
 
 
 def user_turn(tokenizer, sample) -> str:
     text = tokenizer.decode(sample.prompt_tokens)
-    return text[text.rindex("<|im_start|>user\n"):text.rindex(ASSISTANT)]
+    return text[text.rindex("<|im_start|>user\n") : text.rindex(ASSISTANT)]
 
 
 @pytest.mark.parametrize("length", LENGTHS)
@@ -61,7 +73,7 @@ def test_sample_fills_its_length_and_ends_with_the_answer_prefix(samples, tokeni
     total = len(sample.prompt_tokens) + sample.max_new_tokens
     assert 0.9 * length <= total <= length
     text = tokenizer.decode(sample.prompt_tokens)
-    assert re.fullmatch(ANSWER_PREFIXES[task], text[text.rindex(ASSISTANT) + len(ASSISTANT):])
+    assert re.fullmatch(ANSWER_PREFIXES[task], text[text.rindex(ASSISTANT) + len(ASSISTANT) :])
 
 
 @pytest.mark.parametrize("length", LENGTHS)
@@ -70,13 +82,19 @@ def test_niah_references_are_the_values_next_to_the_asked_keys(samples, tokenize
     config, sample = TASKS[task], samples[task, length]
     text = user_turn(tokenizer, sample)
     needles = re.findall(r"One of the special magic (\w+) for (.+?) is: (\S+)\.", text)
-    question = re.search(r"What (?:is|are all) the special magic \w+ for (.+) mentioned in the provided text\?", text)
+    question = re.search(
+        r"What (?:is|are all) the special magic \w+ for (.+) mentioned in the provided text\?", text
+    )
     asked = re.split(r", and |, ", question.group(1))
     assert len(asked) == config["num_needle_q"]
     assert {t for t, _, _ in needles} == {config["type_needle_v"]}
     assert sorted(v for _, k, v in needles if k in asked) == sorted(sample.references)
     assert len(sample.references) == config["num_needle_q"] * config["num_needle_v"]
-    value_pattern = r"\d{7}" if config["type_needle_v"] == "numbers" else r"[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}"
+    value_pattern = (
+        r"\d{7}"
+        if config["type_needle_v"] == "numbers"
+        else r"[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}"
+    )
     assert all(re.fullmatch(value_pattern, v) for v in sample.references)
     keys = {k for _, k, _ in needles}
     if config["type_haystack"] == "needle":  # distractor needles with other keys fill the haystack
@@ -84,7 +102,8 @@ def test_niah_references_are_the_values_next_to_the_asked_keys(samples, tokenize
     else:
         assert len(keys) == max(config["num_needle_k"], config["num_needle_q"])
         assert (NOISE in text) == (config["type_haystack"] == "noise")
-        assert ("What hard liquor" in text) == (config["type_haystack"] == "essay")  # the first essay's start
+        # the first essay's start
+        assert ("What hard liquor" in text) == (config["type_haystack"] == "essay")
 
 
 def resolve(text: str, value: str) -> set[str]:
@@ -120,7 +139,9 @@ def cwe_counts(list_text: str) -> Counter:
 def test_cwe_references_are_the_most_common_words(samples, tokenizer, length):
     sample = samples["cwe", length]
     text = user_turn(tokenizer, sample)
-    counts = cwe_counts(text.split("Memorize the ones that appear most often.\n")[-1].split("\nQuestion:")[0])
+    counts = cwe_counts(
+        text.split("Memorize the ones that appear most often.\n")[-1].split("\nQuestion:")[0]
+    )
     assert len(sample.references) == 10 and len(counts) > 20
     # below 4096 tokens RULER repeats the common words 6 times and the others once
     assert {w: c for w, c in counts.items() if c > 1} == dict.fromkeys(sample.references, 6)
@@ -131,7 +152,9 @@ def test_cwe_references_are_the_most_common_words(samples, tokenizer, length):
 def test_cwe_at_4096_uses_the_official_repeats(tokenizer):
     sample = make_sample("cwe", tokenizer, 4096, random.Random(0))
     text = user_turn(tokenizer, sample)
-    counts = cwe_counts(text.split("Memorize the ones that appear most often.\n")[-1].split("\nQuestion:")[0])
+    counts = cwe_counts(
+        text.split("Memorize the ones that appear most often.\n")[-1].split("\nQuestion:")[0]
+    )
     assert {w: c for w, c in counts.items() if c == 30} == dict.fromkeys(sample.references, 30)
     assert set(counts.values()) == {30, 3}
 
@@ -140,7 +163,11 @@ def test_cwe_at_4096_uses_the_official_repeats(tokenizer):
 def test_fwe_references_are_the_three_most_frequent_coded_words(samples, tokenizer, length):
     sample = samples["fwe", length]
     text = user_turn(tokenizer, sample)
-    words = text.split("Find the three most frequently appeared coded words. ")[1].split("\nQuestion:")[0].split(" ")
+    words = (
+        text.split("Find the three most frequently appeared coded words. ")[1]
+        .split("\nQuestion:")[0]
+        .split(" ")
+    )
     counts = Counter(words)
     assert counts.most_common(1)[0][0] == "..."  # rank 1 is the noise the question says to ignore
     del counts["..."]
@@ -157,13 +184,18 @@ def test_same_seed_same_samples(tokenizer):
         other = make_sample(task, tokenizer, 1024, random.Random(8))
         assert other.prompt_tokens != first.prompt_tokens
     rng = random.Random(7)  # consecutive samples from one generator differ
-    assert make_sample("vt", tokenizer, 1024, rng).references != make_sample("vt", tokenizer, 1024, rng).references
+    assert (
+        make_sample("vt", tokenizer, 1024, rng).references
+        != make_sample("vt", tokenizer, 1024, rng).references
+    )
 
 
 def test_string_match_all():
     assert string_match_all("The numbers are 123 and 456.", ["123", "456"]) == 100
     assert string_match_all("The numbers are 123 and 45.", ["123", "456"]) == 50
-    assert string_match_all("APPLE-PIE, Banana", ["apple-pie", "banana", "cherry"]) == pytest.approx(200 / 3)
+    assert string_match_all(
+        "APPLE-PIE, Banana", ["apple-pie", "banana", "cherry"]
+    ) == pytest.approx(200 / 3)
     assert string_match_all("", ["x"]) == 0
 
 
@@ -176,7 +208,8 @@ def test_largest_fitting():
 
 
 class FakeRunner:
-    """Replies from what make_sample returned for the prompt: full answers all references (upper case),
+    """Replies from what make_sample returned for the prompt: full answers all references (upper
+    case),
     kivi-1bit only the first and only in a task's first sample (of two), streaming nothing."""
 
     chat = True
@@ -189,9 +222,15 @@ class FakeRunner:
         self.calls.append(max_new_tokens)
         refs = self.references_of[tuple(prompt_tokens)]
         first_sample = len(self.calls) % 2 == 1
-        replies = {"full": " and ".join(refs).upper(), "kivi-1bit": f"It is {refs[0]}." if first_sample else "?",
-                   "streaming": ""}
-        return {m: SimpleNamespace(text=replies[m], tokens=[1, 2], fast_tier_bytes=10) for m in self.methods}
+        replies = {
+            "full": " and ".join(refs).upper(),
+            "kivi-1bit": f"It is {refs[0]}." if first_sample else "?",
+            "streaming": "",
+        }
+        return {
+            m: SimpleNamespace(text=replies[m], tokens=[1, 2], fast_tier_bytes=10)
+            for m in self.methods
+        }
 
 
 @pytest.fixture
@@ -206,12 +245,18 @@ def fake_cli(monkeypatch, tokenizer, tmp_path):
 
     runners = []
     monkeypatch.setattr(ruler, "make_sample", recording_make_sample)
-    monkeypatch.setattr(ruler, "runner_from_args", lambda args: runners.append(
-        FakeRunner(tokenizer, args.methods, references_of)) or runners[-1])
+    monkeypatch.setattr(
+        ruler,
+        "runner_from_args",
+        lambda args: (
+            runners.append(FakeRunner(tokenizer, args.methods, references_of)) or runners[-1]
+        ),
+    )
 
     def run(*argv):
         ruler.main([*argv, "--methods", "full", "kivi-1bit", "streaming", "--out", str(tmp_path)])
         return runners[-1]
+
     return run, tmp_path
 
 
@@ -236,14 +281,22 @@ def test_cli_tables_and_report(fake_cli, capsys):
 
     run("--lengths", "1024", "2048", "--quick", "--tasks", "vt")
     markdown = (out / "ruler.md").read_text()
-    assert "RULER at 1024 tokens (1 sample per task" in markdown and "RULER at 2048 tokens" in markdown
+    assert (
+        "RULER at 1024 tokens (1 sample per task" in markdown and "RULER at 2048 tokens" in markdown
+    )
     assert len(json.loads((out / "ruler.json").read_text())["samples"]) == 2
 
 
 def test_cli_samples_depend_only_on_seed_task_and_length(fake_cli):
     run, out = fake_cli
-    references = lambda: [r["references"] for r in json.loads((out / "ruler.json").read_text())["samples"]
-                          if r["task"] == "fwe"]
+
+    def references():
+        return [
+            r["references"]
+            for r in json.loads((out / "ruler.json").read_text())["samples"]
+            if r["task"] == "fwe"
+        ]
+
     run("--lengths", "1024", "--samples", "2", "--tasks", "fwe", "--seed", "3")
     alone = references()
     run("--lengths", "1024", "--samples", "2", "--tasks", "vt", "fwe", "--seed", "3")
@@ -251,5 +304,7 @@ def test_cli_samples_depend_only_on_seed_task_and_length(fake_cli):
     run("--lengths", "1024", "--samples", "2", "--tasks", "fwe", "--seed", "4")
     assert references() != alone
     run("--lengths", "1024", "--samples", "1", "--tasks", "niah_single_1", "niah_single_2")
-    single_1, single_2 = (r["references"] for r in json.loads((out / "ruler.json").read_text())["samples"])
+    single_1, single_2 = (
+        r["references"] for r in json.loads((out / "ruler.json").read_text())["samples"]
+    )
     assert single_1 != single_2  # tasks draw their own needles, not one shared sequence

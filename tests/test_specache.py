@@ -1,4 +1,6 @@
-"""SpeCache against the full cache, against its reference kernels, and against its own invariants."""
+"""SpeCache against the full cache, against its reference kernels, and against its own
+invariants."""
+
 import contextlib
 import dataclasses
 import warnings
@@ -14,17 +16,35 @@ from conftest import specache_config, tiny_model
 from generate import compile_decode, generate
 from model import KVCache, Transformer
 from reference_decoder import lookup_guess
-from specache import (PAPER, LowBitKV, Method, Selection, SpeCacheConfig, SpeCacheLayer, dequantize_keys,
-                      quantize_keys, quantize_values)
+from specache import (
+    PAPER,
+    LowBitKV,
+    Method,
+    Selection,
+    SpeCacheConfig,
+    SpeCacheLayer,
+    dequantize_keys,
+    quantize_keys,
+    quantize_values,
+)
 from specache_stats import Diagnostics
 
 VOCAB = 97
 # small groups so that a few dozen steps cross several window flushes
 SMALL = dict(group=16, residual=16)
-# Gemma-3's layout in small: layers 0 and 2 see a window of 16 positions (their own RoPE base), layer 1 everything
-HYBRID = dict(n_layer=3, sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-              rope_local_base=500.0, sandwich_norm=True, qk_norm=True, ffn_activation="gelu_tanh",
-              scale_embeddings=True, norm_in_fp32=True)
+# Gemma-3's layout in small: layers 0 and 2 see a window of 16 positions (their own RoPE base),
+# layer 1 everything
+HYBRID = dict(
+    n_layer=3,
+    sliding_window=16,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    rope_local_base=500.0,
+    sandwich_norm=True,
+    qk_norm=True,
+    ffn_activation="gelu_tanh",
+    scale_embeddings=True,
+    norm_in_fp32=True,
+)
 
 
 # A capacity with room for slots at every position these prompts ever quantize: the fast tier
@@ -40,13 +60,18 @@ def prompts_of(*lengths, seed=0):
 
 def plugged(model, batch, capacity, config, stats=False):
     """SpeCache in `model`, with its diagnostics when `stats`."""
-    probe = Diagnostics(model.config.n_layer, model.config.n_local_heads, torch.device("cpu")) if stats else None
+    probe = (
+        Diagnostics(model.config.n_layer, model.config.n_local_heads, torch.device("cpu"))
+        if stats
+        else None
+    )
     return PluggedSpeCache(model, batch, capacity, config, probe=probe)
 
 
 @contextlib.contextmanager
 def reference_ops():
-    """specache.py's plain-PyTorch definitions serve its ops on CPUs, whatever kernels registered."""
+    """specache.py's plain-PyTorch definitions serve its ops on CPUs, whatever kernels
+    registered."""
     library = torch.library.Library("specache", "IMPL")
     with warnings.catch_warnings():  # torch warns that this overrides the kernels: it is meant to
         warnings.simplefilter("ignore")
@@ -59,7 +84,9 @@ def reference_ops():
 
 
 def run_specache(model, prompts, new_tokens, config, capacity=None, guess_next=None, stats=False):
-    cache = plugged(model, len(prompts), capacity or max(map(len, prompts)) + new_tokens, config, stats)
+    cache = plugged(
+        model, len(prompts), capacity or max(map(len, prompts)) + new_tokens, config, stats
+    )
     if guess_next is not None:
         cache.guess_next = guess_next
     return generate(model, cache, prompts, new_tokens, temperature=0)
@@ -79,7 +106,9 @@ def test_fetching_every_position_reproduces_the_full_cache(speculative, bits, la
     model = tiny_model(**(HYBRID if layout == "hybrid" else {}))
     prompts = prompts_of(45, 83)
     full = run_full(model, prompts, 40)
-    config = specache_config(bits=bits, topk=256, speculative=speculative, pair_dtype=torch.float32, **SMALL)
+    config = specache_config(
+        bits=bits, topk=256, speculative=speculative, pair_dtype=torch.float32, **SMALL
+    )
     assert run_specache(model, prompts, 40, config, capacity=ROOMY).tokens == full.tokens
 
 
@@ -87,18 +116,28 @@ def test_sixteen_bit_pairs_stay_close_to_the_fp32_full_cache():
     model = tiny_model()
     prompts = prompts_of(60)
     full = run_full(model, prompts, 24)
-    result = run_specache(model, prompts, 24, specache_config(topk=256, **SMALL), capacity=ROOMY)  # fp16 pairs
+    # fp16 pairs
+    result = run_specache(model, prompts, 24, specache_config(topk=256, **SMALL), capacity=ROOMY)
     assert model.layers[0].attention.kv_cache.tier.k.dtype == torch.float16
     assert result.tokens == full.tokens
 
 
-@pytest.mark.parametrize("cache, select", [("specache", "paper"), ("specache", "default"),
-                                           ("specache", "correct=0.99"), ("specache-nospec", "default"),
-                                           ("kivi", "paper")])
+@pytest.mark.parametrize(
+    "cache, select",
+    [
+        ("specache", "paper"),
+        ("specache", "default"),
+        ("specache", "correct=0.99"),
+        ("specache-nospec", "default"),
+        ("kivi", "paper"),
+    ],
+)
 def test_fast_kernels_generate_what_the_reference_kernels_generate(cache, select):
     """Every variant (k = 0 is KIVI alone) through the C kernels == through the plain-PyTorch
     definitions of specache.py's ops."""
-    config = specache_config(select, topk=0 if cache == "kivi" else 8, speculative=cache == "specache", **SMALL)
+    config = specache_config(
+        select, topk=0 if cache == "kivi" else 8, speculative=cache == "specache", **SMALL
+    )
     model = tiny_model()
     prompts = prompts_of(50, 77)
     fast = run_specache(model, prompts, 30, config)
@@ -108,7 +147,9 @@ def test_fast_kernels_generate_what_the_reference_kernels_generate(cache, select
 
 def random_guesses(seed):
     g = torch.Generator().manual_seed(seed)
-    return lambda logits, history, lengths: torch.randint(0, VOCAB, (logits.shape[0], 1), generator=g)
+    return lambda logits, history, lengths: torch.randint(
+        0, VOCAB, (logits.shape[0], 1), generator=g
+    )
 
 
 def test_with_every_position_fetched_the_guesses_cannot_change_the_tokens():
@@ -182,7 +223,12 @@ def test_window_flushes_leave_every_position_in_exactly_one_place():
     result = generate(model, cache, prompts, 50, temperature=0)
     assert result.tokens == full.tokens
     state = cache.state
-    g, r, bits, levels = config.method.group, config.method.residual, config.method.bits, config.selection.levels
+    g, r, bits, levels = (
+        config.method.group,
+        config.method.residual,
+        config.method.bits,
+        config.selection.levels,
+    )
     for b, prompt in enumerate(prompts):
         stored = len(prompt) + result.decode_steps  # the last generated token has not run yet
         lq, window = state.host_quantized_len[b], state.host_window_len[b]
@@ -191,15 +237,29 @@ def test_window_flushes_leave_every_position_in_exactly_one_place():
         for full_cache, layer in zip(full_caches, cache.layers):
             full_k = full_cache.k_cache[b, :, :stored]
             full_v = full_cache.v_cache[b, :, :stored]
-            torch.testing.assert_close(layer.tier.k[b, :, :lq], full_k[:, :lq], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(layer.tier.v[b, :, :lq], full_v[:, :lq], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(layer.window_k[b, :, :window], full_k[:, lq:], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(layer.window_v[b, :, :window], full_v[:, lq:], atol=1e-5, rtol=1e-5)
-            packed, scale, zero = quantize_keys(layer.tier.k[b, :, :lq], bits, g, layer.k_scale.dtype, levels)
+            torch.testing.assert_close(
+                layer.tier.k[b, :, :lq], full_k[:, :lq], atol=1e-5, rtol=1e-5
+            )
+            torch.testing.assert_close(
+                layer.tier.v[b, :, :lq], full_v[:, :lq], atol=1e-5, rtol=1e-5
+            )
+            torch.testing.assert_close(
+                layer.window_k[b, :, :window], full_k[:, lq:], atol=1e-5, rtol=1e-5
+            )
+            torch.testing.assert_close(
+                layer.window_v[b, :, :window], full_v[:, lq:], atol=1e-5, rtol=1e-5
+            )
+            packed, scale, zero = quantize_keys(
+                layer.tier.k[b, :, :lq], bits, g, layer.k_scale.dtype, levels
+            )
             assert torch.equal(layer.k_packed[b, :, :lq], packed)
             assert torch.equal(layer.k_scale[b, :, : lq // g], scale)
-            packed, scale, zero = quantize_values(layer.tier.v[b, :, :lq], bits, g, layer.v_scale.dtype, levels)
-            assert torch.equal(layer.v_packed[b, :, :lq], packed) and torch.equal(layer.v_zero[b, :, :lq], zero)
+            packed, scale, zero = quantize_values(
+                layer.tier.v[b, :, :lq], bits, g, layer.v_scale.dtype, levels
+            )
+            assert torch.equal(layer.v_packed[b, :, :lq], packed) and torch.equal(
+                layer.v_zero[b, :, :lq], zero
+            )
 
 
 @pytest.mark.parametrize("how", ["mean", "max"])
@@ -209,42 +269,88 @@ def test_gqa_top_k_ranks_by_the_groups_query_heads(how):
     the mean (the paper) or the max (gqa-max) over the group."""
     torch.manual_seed(0)
     b, n_kv, group_size, t, d, k = 2, 3, 3, 128, 64, 10
-    keys, values = torch.randn(b, n_kv, t, d) * torch.linspace(0.2, 3, d), torch.randn(b, n_kv, t, d)
-    kv = LowBitKV(*quantize_keys(keys, 1, 32, torch.float16), *quantize_values(values, 1, 32, torch.float16),
-                  1, 32)
+    keys, values = (
+        torch.randn(b, n_kv, t, d) * torch.linspace(0.2, 3, d),
+        torch.randn(b, n_kv, t, d),
+    )
+    kv = LowBitKV(
+        *quantize_keys(keys, 1, 32, torch.float16),
+        *quantize_values(values, 1, 32, torch.float16),
+        1,
+        32,
+    )
     window_k, new_k = torch.randn(b, n_kv, 48, d), torch.randn(b, n_kv, 2, d)
-    segments = specache.Segments(torch.tensor([80, 96]), torch.zeros(b, n_kv, k, d), torch.zeros(b, n_kv, k, d),
-                                 torch.zeros(b, n_kv, k, dtype=torch.long), torch.zeros(b, n_kv, k, dtype=torch.bool),
-                                 window_k, torch.randn(b, n_kv, 48, d), torch.tensor([48, 20]), new_k,
-                                 torch.randn(b, n_kv, 2, d))
+    segments = specache.Segments(
+        torch.tensor([80, 96]),
+        torch.zeros(b, n_kv, k, d),
+        torch.zeros(b, n_kv, k, d),
+        torch.zeros(b, n_kv, k, dtype=torch.long),
+        torch.zeros(b, n_kv, k, dtype=torch.bool),
+        window_k,
+        torch.randn(b, n_kv, 48, d),
+        torch.tensor([48, 20]),
+        new_k,
+        torch.randn(b, n_kv, 2, d),
+    )
     q = torch.randn(b, n_kv * group_size, 2, d)
     rows = specache.query_rows(q, n_kv)
     part = specache.lowbit_partial_attention(rows, kv, segments)
     merged = specache.merge_segments(rows, part, segments)
     nothing = segments.fetched_pos[..., :0]
-    args = (part.weights, merged.lowbit_scale, merged.p_fetched, segments.fetched_pos, merged.p_window,
-            segments.quantized_len, 2, 1, how == "max", 0, segments.quantized_len, nothing, nothing.bool(), k)
+    args = (
+        part.weights,
+        merged.lowbit_scale,
+        merged.p_fetched,
+        segments.fetched_pos,
+        merged.p_window,
+        segments.quantized_len,
+        2,
+        1,
+        how == "max",
+        0,
+        segments.quantized_len,
+        nothing,
+        nothing.bool(),
+        k,
+    )
     positions, valid = specache.top_positions_reference(*args)
-    fused, fused_valid = specache.top_positions(part, merged, segments, 2, 1, how, 0, segments.quantized_len,
-                                                nothing, nothing.bool(), k)
+    fused, fused_valid = specache.top_positions(
+        part, merged, segments, 2, 1, how, 0, segments.quantized_len, nothing, nothing.bool(), k
+    )
     assert torch.equal(fused, positions) and torch.equal(fused_valid, valid)
     dequantized = dequantize_keys(kv.k_packed, kv.k_scale, kv.k_zero, 1, 32)
     for bi in range(b):
         lq, wl = int(segments.quantized_len[bi]), int(segments.window_len[bi])
         for h in range(n_kv):
             keys_seen = torch.cat([dequantized[bi, h, :lq], window_k[bi, h, :wl], new_k[bi, h]])
-            heads = q[bi, h * group_size: (h + 1) * group_size, -1]
-            probs = ((heads @ keys_seen.T) / d ** 0.5).softmax(-1)[:, :lq]
+            heads = q[bi, h * group_size : (h + 1) * group_size, -1]
+            probs = ((heads @ keys_seen.T) / d**0.5).softmax(-1)[:, :lq]
             ranked = probs.mean(0) if how == "mean" else probs.amax(0)
-            assert set(positions[bi, h].tolist()) == set(ranked.topk(k).indices.tolist()) and valid[bi, h].all()
+            assert (
+                set(positions[bi, h].tolist()) == set(ranked.topk(k).indices.tolist())
+                and valid[bi, h].all()
+            )
 
 
 def test_short_sequences_mark_missing_positions_invalid():
     """Five candidates for a top-8: five valid picks, the candidates themselves."""
     weights, nothing = torch.rand(1, 2, 1, 64), torch.zeros(1, 2, 0, dtype=torch.long)
     positions, valid = specache.top_positions_reference(
-        weights, torch.ones(1, 2, 1, 1), torch.zeros(1, 2, 1, 0), nothing, torch.zeros(1, 2, 1, 0),
-        torch.tensor([64]), 1, 0, False, 0, torch.tensor([5]), nothing, nothing.bool(), 8)
+        weights,
+        torch.ones(1, 2, 1, 1),
+        torch.zeros(1, 2, 1, 0),
+        nothing,
+        torch.zeros(1, 2, 1, 0),
+        torch.tensor([64]),
+        1,
+        0,
+        False,
+        0,
+        torch.tensor([5]),
+        nothing,
+        nothing.bool(),
+        8,
+    )
     assert valid.sum(-1).tolist() == [[5, 5]]
     assert (positions[valid] < 5).all()
     assert all(sorted(positions[0, h][valid[0, h]].tolist()) == list(range(5)) for h in range(2))
@@ -262,7 +368,9 @@ def test_fast_tier_at_4k_holds_only_the_low_bit_copy_the_window_and_k_pairs():
     prompt = torch.randint(0, config.vocab_size, (4000,)).tolist()
     generate(model, cache, [prompt], 2, temperature=0)
     selection = cache.config.selection
-    c = SimpleNamespace(**vars(cache.config.method), sinks=selection.sinks, real_share=selection.real_share)
+    c = SimpleNamespace(
+        **vars(cache.config.method), sinks=selection.sinks, real_share=selection.real_share
+    )
     s = cache.state.capacity
     quantizable = s - c.residual  # the newest R positions are never quantized
     assert s == 4096
@@ -271,21 +379,38 @@ def test_fast_tier_at_4k_holds_only_the_low_bit_copy_the_window_and_k_pairs():
     for layer in model.layers:
         layer_cache = layer.attention.kv_cache
         assert isinstance(layer_cache, SpeCacheLayer)
-        pairs = {name: t for name, t in layer_cache.named_buffers()
-                 if t.is_floating_point() and t.shape[-1] == head_dim and name not in ("k_scale", "k_zero", "last_query")}
+        pairs = {
+            name: t
+            for name, t in layer_cache.named_buffers()
+            if t.is_floating_point()
+            and t.shape[-1] == head_dim
+            and name not in ("k_scale", "k_zero", "last_query")
+        }
         assert {name: tuple(t.shape) for name, t in pairs.items()} == {
-            "window_k": (1, n_kv, c.residual + c.group, head_dim), "window_v": (1, n_kv, c.residual + c.group, head_dim),
-            "fetched_k": (1, n_kv, c.sinks + c.topk, head_dim), "fetched_v": (1, n_kv, c.sinks + c.topk, head_dim)}
+            "window_k": (1, n_kv, c.residual + c.group, head_dim),
+            "window_v": (1, n_kv, c.residual + c.group, head_dim),
+            "fetched_k": (1, n_kv, c.sinks + c.topk, head_dim),
+            "fetched_v": (1, n_kv, c.sinks + c.topk, head_dim),
+        }
         assert all(t.dtype == torch.float16 for t in pairs.values())
         assert layer_cache.k_packed.dtype == layer_cache.v_packed.dtype == torch.uint8
         assert layer_cache.k_packed.shape == (1, n_kv, quantizable, head_dim * c.bits // 8)
         slow = {id(layer_cache.tier.k), id(layer_cache.tier.v)}
-        assert not slow & {id(t) for t in layer_cache.buffers()}, "the slow tier must not be a fast-tier buffer"
-        assert layer_cache.tier.k.shape == (1, n_kv, s, head_dim) and layer_cache.tier.k.dtype == torch.float16
+        assert not slow & {id(t) for t in layer_cache.buffers()}, (
+            "the slow tier must not be a fast-tier buffer"
+        )
+        assert (
+            layer_cache.tier.k.shape == (1, n_kv, s, head_dim)
+            and layer_cache.tier.k.dtype == torch.float16
+        )
     # counted from the layout, per layer and KV head: codes, fp16 scales and zeros, 16-bit pairs,
     # and each exact slot's position (8 bytes) and flag (1), the prefetch's chosen positions too
     codes = 2 * quantizable * head_dim * c.bits // 8
-    scales = 2 * 2 * (quantizable // c.group * head_dim + quantizable * head_dim // min(c.group, head_dim))
+    scales = (
+        2
+        * 2
+        * (quantizable // c.group * head_dim + quantizable * head_dim // min(c.group, head_dim))
+    )
     pairs = 2 * 2 * head_dim * (c.residual + c.group + c.sinks + c.topk)
     k_spec = c.topk - int(c.topk * c.real_share + 0.5)
     bookkeeping = 9 * (c.sinks + c.topk) + 9 * k_spec
@@ -296,7 +421,9 @@ def test_fast_tier_at_4k_holds_only_the_low_bit_copy_the_window_and_k_pairs():
     sixteen_bit_cache = 2 * 2 * config.n_layer * n_kv * head_dim * s
     formula = (c.bits + 32 / c.group) / 16 + (c.residual + c.group + c.sinks + c.topk) / s
     assert abs(counted / sixteen_bit_cache / formula - 1) < 0.03
-    assert cache.stats(1)["fast_tier_ratio_to_16bit_cache"] == pytest.approx(counted / sixteen_bit_cache)
+    assert cache.stats(1)["fast_tier_ratio_to_16bit_cache"] == pytest.approx(
+        counted / sixteen_bit_cache
+    )
 
 
 @pytest.mark.parametrize("new_tokens", [8, 100, 200])
@@ -321,9 +448,16 @@ def test_batch_of_three_prompts_equals_each_alone():
         assert run_specache(model, [prompt], 24, config).tokens[0] == batched.tokens[i]
 
 
-@pytest.mark.parametrize("cache, layout, whole_step", [("specache", "llama", False), ("specache-nospec", "llama", False),
-                                                       ("specache", "hybrid", False), ("specache", "llama", True),
-                                                       ("specache", "hybrid", True)])
+@pytest.mark.parametrize(
+    "cache, layout, whole_step",
+    [
+        ("specache", "llama", False),
+        ("specache-nospec", "llama", False),
+        ("specache", "hybrid", False),
+        ("specache", "llama", True),
+        ("specache", "hybrid", True),
+    ],
+)
 def test_compiled_decode_matches_eager_and_never_recompiles(cache, layout, whole_step):
     """Hybrid: the sliding-window layers' rings wrap as positions move, in their own graph. Whole
     step: the two-row pass of every layer and the head in one graph."""
@@ -336,9 +470,11 @@ def test_compiled_decode_matches_eager_and_never_recompiles(cache, layout, whole
     torch._dynamo.reset()
     counters.clear()
     compile_decode(model, whole_step=whole_step)
-    run_specache(model, [p[:20] for p in prompts], 3, config, capacity=71 + 40)  # compiles the decode step
+    # compiles the decode step
+    run_specache(model, [p[:20] for p in prompts], 3, config, capacity=71 + 40)
     graphs = counters["stats"]["unique_graphs"]
-    compiled = run_specache(model, prompts, 40, config)  # positions move, windows flush, kappa changes
+    # positions move, windows flush, kappa changes
+    compiled = run_specache(model, prompts, 40, config)
     assert counters["stats"]["unique_graphs"] == graphs, "the SpeCache decode step recompiled"
     assert compiled.tokens == eager.tokens
     torch._dynamo.reset()
@@ -357,11 +493,14 @@ def test_a_failing_fetch_raises_instead_of_being_lost(monkeypatch):
         run_specache(model, prompts_of(60), 10, specache_config(topk=8, **SMALL))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(bits=3), "bits must be 1 or 2"),
-    (dict(group=48, residual=64), "multiple of the group size"),
-    (dict(topk=-1), "top-k must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(bits=3), "bits must be 1 or 2"),
+        (dict(group=48, residual=64), "multiple of the group size"),
+        (dict(topk=-1), "top-k must be >= 0"),
+    ],
+)
 def test_invalid_configs_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         specache_config(**kwargs).validate(64)
@@ -383,8 +522,10 @@ def test_hybrid_models_offload_only_their_full_attention_layers():
     # a ring of 16-bit pairs, as the full cache's, plus each slot's position (8 bytes)
     pair_bytes = 2 * model.config.n_local_heads * model.config.head_dim * 2
     assert stats["fast_tier_ratio_sliding_window_layers"] == pytest.approx(1 + 8 / pair_bytes)
-    assert stats["fast_tier_bytes"] == (stats["fast_tier_bytes_full_attention_layers"]
-                                        + stats["fast_tier_bytes_sliding_window_layers"])
+    assert stats["fast_tier_bytes"] == (
+        stats["fast_tier_bytes_full_attention_layers"]
+        + stats["fast_tier_bytes_sliding_window_layers"]
+    )
 
 
 def test_models_with_only_sliding_window_layers_are_refused():
@@ -403,26 +544,40 @@ def test_prompt_lookup_guesses_the_token_after_the_latest_earlier_match():
         history[b, : len(h)] = torch.tensor(h)
     logits = torch.randn(len(histories), 12, generator=g)
     guess = specache.prompt_lookup_guess(logits, history, torch.tensor([len(h) for h in histories]))
-    assert guess[:, 0].tolist() == [lookup_guess(h, logits[b]) for b, h in enumerate(histories)]  # plain Python
-    assert guess[5, 0] == 7 and guess[6, 0] == 4 and guess[7, 0] == 1  # the latest trigram, a run, a unigram
+    # plain Python
+    assert guess[:, 0].tolist() == [lookup_guess(h, logits[b]) for b, h in enumerate(histories)]
+    # the latest trigram, a run, a unigram
+    assert guess[5, 0] == 7 and guess[6, 0] == 4 and guess[7, 0] == 1
 
 
-@pytest.mark.parametrize("select, fields", [
-    ("paper", PAPER),
-    ("split,gqa-max", dataclasses.replace(PAPER, real_share=0.5, gqa="max")),
-    ("split=0.25, sinks=8, correct=0.8", dataclasses.replace(PAPER, real_share=0.25, sinks=8, correct_below=0.8)),
-    ("default,correct", Selection()),
-    ("lloyd,default,split=0.3", dataclasses.replace(Selection(), real_share=0.3)),
-])
+@pytest.mark.parametrize(
+    "select, fields",
+    [
+        ("paper", PAPER),
+        ("split,gqa-max", dataclasses.replace(PAPER, real_share=0.5, gqa="max")),
+        (
+            "split=0.25, sinks=8, correct=0.8",
+            dataclasses.replace(PAPER, real_share=0.25, sinks=8, correct_below=0.8),
+        ),
+        ("default,correct", Selection()),
+        ("lloyd,default,split=0.3", dataclasses.replace(Selection(), real_share=0.3)),
+    ],
+)
 def test_selections_parse_into_their_fields_and_name_themselves(select, fields):
     selection = Selection.parse(select)
     assert selection == fields
     assert Selection.parse(selection.name()) == selection
 
 
-@pytest.mark.parametrize("select, message", [("splt", "unknown --specache_select entry 'splt'"),
-                                             ("gqa-max=2", "takes no value"), ("sinks=x", "not a valid int"),
-                                             ("split=2", "share of k must be in")])
+@pytest.mark.parametrize(
+    "select, message",
+    [
+        ("splt", "unknown --specache_select entry 'splt'"),
+        ("gqa-max=2", "takes no value"),
+        ("sinks=x", "not a valid int"),
+        ("split=2", "share of k must be in"),
+    ],
+)
 def test_bad_selections_are_refused(select, message):
     with pytest.raises(ValueError, match=message):
         SpeCacheConfig(selection=Selection.parse(select)).validate(64)

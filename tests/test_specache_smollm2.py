@@ -4,6 +4,7 @@ needle-in-a-haystack prompt (Paul Graham essays, needle at 10% depth), against t
 Mismatch budget: "reproduces" means at most 2 of the first 32 generated tokens differ from the
 full cache's (the full cache answers in 24 tokens and stops).
 """
+
 import pytest
 
 import specache
@@ -31,8 +32,16 @@ def runs(smollm2_model, smollm2_checkpoint):
     stop_ids = frozenset(tokenizer.stop_ids)
     prompt = needle_prompt(tokenizer, 2000, 10)
     model = smollm2_model
-    results = {"full": generate(model, FullCache(model, 1, len(prompt) + NEW_TOKENS), [prompt], NEW_TOKENS,
-                                temperature=0, stop_ids=stop_ids)}
+    results = {
+        "full": generate(
+            model,
+            FullCache(model, 1, len(prompt) + NEW_TOKENS),
+            [prompt],
+            NEW_TOKENS,
+            temperature=0,
+            stop_ids=stop_ids,
+        )
+    }
     guesses = []
 
     def recorded_guess(logits, history, lengths):
@@ -40,14 +49,23 @@ def runs(smollm2_model, smollm2_checkpoint):
         return logits.new_tensor([[guesses[-1]]]).long()
 
     for name, (method, options) in METHODS.items():
-        # fetching everything takes a roomy capacity: a slot for every position (specache_stats.fast_tier_plan)
+        # fetching everything takes a roomy capacity: a slot for every position
+        # (specache_stats.fast_tier_plan)
         capacity = (2 if name == "fetch-everything" else 1) * (len(prompt) + NEW_TOKENS)
         cache = make_cache(method, model, 1, capacity, **options)
         if name == "specache-1bit":
             cache.guess_next = recorded_guess
-        seen = []  # every token the loop sampled, past a stop too (stops are looked for every few steps)
-        results[name] = generate(model, cache, [prompt], NEW_TOKENS, temperature=0, stop_ids=stop_ids,
-                                 callback=lambda tokens: seen.append(int(tokens[0, 0])))
+        # every token the loop sampled, past a stop too (stops are looked for every few steps)
+        seen = []
+        results[name] = generate(
+            model,
+            cache,
+            [prompt],
+            NEW_TOKENS,
+            temperature=0,
+            stop_ids=stop_ids,
+            callback=lambda tokens: seen.append(int(tokens[0, 0])),
+        )
         if name == "specache-1bit":
             sampled = seen
     text = {name: tokenizer.decode(r.tokens[0]) for name, r in results.items()}
@@ -86,13 +104,14 @@ def test_the_match_rate_counts_the_guesses_that_came_true(runs):
     """The stat against the guesses recorded as they were made: guess i was for token i + 1."""
     results, _, (guesses, tokens) = runs
     steps = results["specache-1bit"].decode_steps
-    right = sum(guess == token for guess, token in zip(guesses[:steps], tokens[1: steps + 1]))
+    right = sum(guess == token for guess, token in zip(guesses[:steps], tokens[1 : steps + 1]))
     assert results["specache-1bit"].stats["speculative_match_rate"] == right / steps
     assert 0 < right < steps
 
 
 def test_diagnostics_of_selections_whose_answer_is_known(runs):
-    """The mass oracle fetches the exact top-k, so its recall against it is 1 and its coverage is the
+    """The mass oracle fetches the exact top-k, so its recall against it is 1 and its coverage is
+    the
     ceiling; the non-speculative paper rule fetches the real token's own low-bit top-k (mean over
     query heads, as its recall is measured), so that recall is 1. Every selection's coverage is at
     most the oracle's, layer by layer (the oracle takes the k positions of most mass)."""
@@ -101,18 +120,26 @@ def test_diagnostics_of_selections_whose_answer_is_known(runs):
     assert oracle["recall_exact"] == pytest.approx(1.0, abs=1e-3)
     assert oracle["coverage"] == pytest.approx(oracle["oracle_coverage"], abs=1e-5)
     nospec = results["specache-nospec-1bit-paper"].stats["diagnostics"]
-    assert nospec["recall_own_lowbit"] == pytest.approx(1.0, abs=1e-3) and nospec["recall_exact"] < 0.9
+    assert (
+        nospec["recall_own_lowbit"] == pytest.approx(1.0, abs=1e-3) and nospec["recall_exact"] < 0.9
+    )
     for name in ("specache-1bit", "specache-1bit-paper", "specache-nospec-1bit-paper"):
         layers = results[name].stats["diagnostics"]["per_layer"]
-        assert all(c <= o + 1e-4 for c, o in zip(layers["coverage"], layers["oracle_coverage"])), name
+        assert all(c <= o + 1e-4 for c, o in zip(layers["coverage"], layers["oracle_coverage"])), (
+            name
+        )
         assert len(layers["coverage"]) == 30
 
 
 def test_reuse_counts_fewer_pairs_than_the_paper_fetches(runs):
-    """The paper's rule reads k pairs per layer and KV head (fp16 K+V, 3 heads, 30 layers) each step,
+    """The paper's rule reads k pairs per layer and KV head (fp16 K+V, 3 heads, 30 layers) each
+    step,
     plus the bootstrap's; ours reads what the previous prefetch did not hold and k/2 picks."""
     results, _, _ = runs
     paper, ours = (results[name] for name in ("specache-1bit-paper", "specache-1bit"))
     per_step = 64 * 2 * 64 * 2 * 3 * 30
-    assert paper.stats["bytes_fetched_per_token"] == per_step * (paper.decode_steps + 1) / paper.decode_steps
+    assert (
+        paper.stats["bytes_fetched_per_token"]
+        == per_step * (paper.decode_steps + 1) / paper.decode_steps
+    )
     assert ours.stats["bytes_fetched_per_token"] < 0.9 * per_step
