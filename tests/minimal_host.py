@@ -3,8 +3,8 @@
     python minimal_host.py job.pt    # writes job.out.pt
 
 tests/test_host.py copies this file and specache.py alone into an empty folder and runs it in a
-fresh interpreter. The job holds the weights, the shapes, SpeCache's settings and the prompts; the
-output, each sequence's greedy tokens and every pass's logits after the prefill.
+fresh interpreter. The job holds the weights, the shapes, SpeCache's settings, the prompts and the
+device; the output, each sequence's greedy tokens and every pass's logits after the prefill.
 """
 
 import sys
@@ -91,7 +91,8 @@ class Transformer(nn.Module):
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
         frequencies = 1.0 / self.rope_base**exponents
         angles = torch.outer(torch.arange(positions, dtype=torch.float64), frequencies)
-        self.freqs_cis = torch.stack([angles.cos(), angles.sin()], -1).float()
+        table = torch.stack([angles.cos(), angles.sin()], -1).float()
+        self.freqs_cis = table.to(self.output.weight.device)
 
     def forward(self, idx, input_pos):
         x, freqs = self.tok_embeddings(idx), self.freqs_cis[input_pos]
@@ -104,25 +105,18 @@ class Transformer(nn.Module):
 def main(job_path: str) -> None:
     job = torch.load(job_path, weights_only=True)
     c, prompts, new_tokens = job["model"], job["prompts"], job["new_tokens"]
+    device = torch.device(job["device"])
     model = Transformer(c).eval()
     model.load_state_dict(job["weights"])
+    model.to(device)
     config = specache.SpeCacheConfig(
         specache.Method(**job["method"]),
         specache.Selection.parse(job["select"]),
         specache.Placement(pair_dtype=job["pair_dtype"]),
     )
     batch, longest = len(prompts), max(map(len, prompts))
-    cache = specache.SpeCache(
-        config,
-        c["n_layer"],
-        c["n_head"],
-        c["n_local_heads"],
-        c["head_dim"],
-        batch,
-        job["max_seq_length"],
-        torch.device("cpu"),
-        torch.float32,
-    )
+    shape = (c["n_layer"], c["n_head"], c["n_local_heads"], c["head_dim"])
+    cache = specache.SpeCache(config, *shape, batch, job["max_seq_length"], device, torch.float32)
     for block, layer in zip(model.layers, cache.layers):
         block.attention.kv_cache = layer
     model.setup_rope(cache.capacity + 1)  # the speculative row sits one past the last real one
@@ -133,13 +127,13 @@ def main(job_path: str) -> None:
         passes.append(model(tokens, input_pos))
         return passes[-1]
 
-    lengths = torch.tensor([len(p) for p in prompts])
-    tokens = torch.zeros(batch, longest, dtype=torch.long)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    tokens = torch.zeros(batch, longest, dtype=torch.long, device=device)
     for b, prompt in enumerate(prompts):
         tokens[b, : len(prompt)] = torch.tensor(prompt)
     cache.begin(tokens, lengths)
-    logits = forward(tokens, torch.arange(longest).expand(batch, -1))  # prefill
-    token = logits[torch.arange(batch), lengths - 1].argmax(-1, keepdim=True)
+    logits = forward(tokens, torch.arange(longest, device=device).expand(batch, -1))  # prefill
+    token = logits[torch.arange(batch, device=device), lengths - 1].argmax(-1, keepdim=True)
     cache.sampled(token)
     position = lengths[:, None]
     cache.bootstrap(forward, token, position)
@@ -150,7 +144,7 @@ def main(job_path: str) -> None:
         out.append(token)
         position = position + 1
     cache.finish()
-    result = {"tokens": torch.cat(out, 1).tolist(), "logits": passes[1:]}
+    result = {"tokens": torch.cat(out, 1).tolist(), "logits": [x.cpu() for x in passes[1:]]}
     torch.save(result, job_path.replace(".pt", ".out.pt"))
 
 

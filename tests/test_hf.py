@@ -6,6 +6,8 @@ SmolLM2 loaded into HF from the same GGUF as ours."""
 import pytest
 import torch
 
+pytest.importorskip("transformers")
+
 from caches import FullCache, PluggedSpeCache
 from checkpoint import load_model
 from conftest import make_tiny_hf_model, specache_config

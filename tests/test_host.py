@@ -57,7 +57,12 @@ def python(folder: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def run_host(
-    folder: Path, model, config: SpeCacheConfig, prompts: list[list[int]], max_seq_length: int
+    folder: Path,
+    model,
+    config: SpeCacheConfig,
+    prompts: list[list[int]],
+    max_seq_length: int,
+    device: str = "cpu",
 ) -> dict:
     c = model.config
     shape = dict(
@@ -80,6 +85,7 @@ def run_host(
         prompts=prompts,
         new_tokens=NEW_TOKENS,
         max_seq_length=max_seq_length,
+        device=device,
     )
     torch.save(job, folder / "job.pt")
     result = python(folder, "minimal_host.py", "job.pt")
@@ -101,8 +107,13 @@ def test_the_copy_imports_on_torch_alone_and_the_repository_is_out_of_reach(tmp_
     )
 
 
+# the copy as it is on each device here: its pinned slow tier beside a GPU, no kernels anywhere
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("select", ["default", "paper"])
-def test_a_minimal_host_matches_the_reference_decoder_on_a_tiny_model(tmp_path, select):
+def test_a_minimal_host_matches_the_reference_decoder_on_a_tiny_model(tmp_path, select, device):
     config = SpeCacheConfig(
         Method(bits=1, group=16, residual=16, topk=8), Selection.parse(select), Placement()
     )
@@ -110,7 +121,8 @@ def test_a_minimal_host_matches_the_reference_decoder_on_a_tiny_model(tmp_path, 
     generator = torch.Generator().manual_seed(TINY_SEED)
     prompts = [spread_prompt(n, generator) for n in TINY_LENGTHS]
     max_seq_length = max(TINY_LENGTHS) + NEW_TOKENS + 8
-    host = run_host(copy_project(tmp_path / "project"), model, config, prompts, max_seq_length)
+    folder = copy_project(tmp_path / "project")
+    host = run_host(folder, model, config, prompts, max_seq_length, device)
     reference = ReferenceDecoder(model, config, max_seq_length)
     ref_tokens, ref_logits = reference.generate(prompts, NEW_TOKENS)
     assert reference.min_gap > TINY_MIN_GAP, f"a near-tie in a top-k ({reference.min_gap:.1e})"
