@@ -1,4 +1,4 @@
-"""The KV caches the one generation loop (generate.generate) drives, plugged into model.py's
+"""The KV caches the one generation loop (generation.generate) drives, plugged into model.py's
 Transformer, and the registry that makes them by name.
 
 A cache is an object with these methods (FullCache and PluggedSpeCache below, and
@@ -46,6 +46,7 @@ from kernels import dense_cpu, lowbit_cpu, lowbit_triton, rank_cpu
 from model import FLEX_BLOCK_SIZE, KVCache, RingKVCache, Transformer
 from specache import (
     Method,
+    Placement,
     Selection,
     SpeCache,
     SpeCacheConfig,
@@ -272,7 +273,6 @@ class PluggedSpeCache(SpeCache):
             dtype,
             probe,
         )
-        pair_dtype = config.placement.pair_dtype_for(dtype)
         ours = iter(self.layers)
         for layer in layers:
             window = layer.attention.window
@@ -280,7 +280,7 @@ class PluggedSpeCache(SpeCache):
                 next(ours)
                 if window is None
                 else RingKVCache(
-                    batch_size, window, c.n_local_heads, c.head_dim, pair_dtype, device
+                    batch_size, window, c.n_local_heads, c.head_dim, self.pair_dtype, device
                 )
             )
         self.rings = [
@@ -392,8 +392,7 @@ def specache_config(
         speculative=kind == "specache",
     )
     selection, oracle = split_oracle(select or ("paper" if kind == "kivi" else "default"))
-    placement = SpeCacheConfig().placement
-    placement = replace(placement, pair_dtype=pair_dtype, overlap_fetch=overlap_fetch)
+    placement = Placement(pair_dtype=pair_dtype, overlap_fetch=overlap_fetch)
     return SpeCacheConfig(method, selection, placement), oracle
 
 

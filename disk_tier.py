@@ -383,7 +383,7 @@ def leave_layer(
     """After the layer's pass: the real rows' pairs are written; the reads of kappa_{t+1} are
     queued (and without overlap, waited for)."""
     if new_k is not None:
-        for b, position in enumerate(tier.spec.state.host_next_position()):
+        for b, position in enumerate(tier.spec.state.held()):  # next_position, on the host
             tier.write(b, position, new_k[b, :, None], new_v[b, :, None])
     if kappa is not None:
         tier.pending = tier.start_read(kappa.pos, kappa.valid, "prefetch")

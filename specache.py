@@ -248,7 +248,8 @@ class TierSpec(NamedTuple):
     slots: Optional[PrefetchSlots]  # None: the layer prefetches nothing
     reuse: bool  # a read need not read again what the previous read of its kind held
     overlap: bool  # Placement.overlap_fetch
-    state: "SpeCacheState"  # where each sequence's next real row goes (next_position)
+    # where each sequence's next real row goes: next_position() on the device, held() on the host
+    state: "SpeCacheState"
 
 
 class SlowTier(Protocol):
@@ -1208,7 +1209,7 @@ def _leave_layer(
     """After the layer's pass: the real rows go to host memory; the prefetch of kappa starts
     (and, without overlap, is waited for)."""
     if new_k is not None:
-        for b, position in enumerate(tier.spec.state.host_next_position()):
+        for b, position in enumerate(tier.spec.state.held()):  # next_position, on the host
             tier.write(b, position, new_k[b, :, None].clone(), new_v[b, :, None].clone())
     if kappa is not None:
         ready = torch.cuda.Event()
@@ -1293,10 +1294,6 @@ class SpeCacheState:
     def next_position(self) -> Tensor:
         """(B,) where each sequence's next real row goes."""
         return self.quantized_len + self.window_len
-
-    def host_next_position(self) -> list[int]:
-        """next_position on the host (what the tiers that write after the step read)."""
-        return self.held()
 
     def sync(self) -> None:
         """The device copies of the host's lengths (pinned and asynchronous on a GPU)."""
@@ -1704,14 +1701,14 @@ class SpeCache:
         group = config.method.group
         self.capacity = -(-max_seq_length // group) * group
         self.config, self.device, self.probe = config, torch.device(device), probe
-        pair_dtype = config.placement.pair_dtype_for(dtype)
+        self.pair_dtype = config.placement.pair_dtype_for(dtype)  # window, slots, slow tier
         self.state = SpeCacheState(
             config,
             batch_size,
             self.capacity,
             self.device,
             head_dim,
-            pair_dtype,
+            self.pair_dtype,
             n_heads // n_kv_heads,
         )
         make_tier = config.placement.slow_tier
@@ -1725,7 +1722,7 @@ class SpeCache:
                 n_heads,
                 n_kv_heads,
                 head_dim,
-                pair_dtype,
+                self.pair_dtype,
                 self.device,
                 make_tier or RamTier,
                 probe,

@@ -218,29 +218,15 @@ def takes(rows: Tensor, bits: int, group: int) -> bool:
     )
 
 
-def _serve(
-    lib: ctypes.CDLL,
-    rows: Tensor,
-    k_packed: Tensor,
-    k_scale: Tensor,
-    k_zero: Tensor,
-    v_packed: Tensor,
-    v_scale: Tensor,
-    v_zero: Tensor,
-    bits: int,
-    group: int,
-    visible_len: Tensor,
-    excluded_pos: Tensor,
-    excluded_valid: Tensor,
-) -> Outputs:
-    """The op for CPU tensors where the C++ dispatch does not build: the C kernel through ctypes
-    for the shapes it takes, the reference otherwise."""
-    kv = LowBitKV(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group)
-    if takes(rows, bits, group) and k_packed.shape[2] > 0:
+def _serve(lib: ctypes.CDLL, *inputs) -> Outputs:
+    """specache::lowbit_partial_attention for CPU tensors (its arguments, in its order) where the
+    C++ dispatch does not build: the C kernel through ctypes for the shapes it takes, the
+    reference otherwise."""
+    rows, bits, group, visible_len, excluded_pos, excluded_valid = inputs[0], *inputs[7:]
+    if takes(rows, bits, group) and inputs[1].shape[2] > 0:
+        kv = LowBitKV(*inputs[1:7], bits, group)
         return run_kernel(lib, rows, kv, visible_len, excluded_pos, excluded_valid)
-    return specache.lowbit_partial_attention_reference(
-        rows, *kv[:6], bits, group, visible_len, excluded_pos, excluded_valid
-    )
+    return specache.lowbit_partial_attention_reference(*inputs)
 
 
 @lru_cache(maxsize=None)

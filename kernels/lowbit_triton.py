@@ -238,37 +238,13 @@ def run_kernels(
     )
 
 
-def _serve(
-    rows: Tensor,
-    k_packed: Tensor,
-    k_scale: Tensor,
-    k_zero: Tensor,
-    v_packed: Tensor,
-    v_scale: Tensor,
-    v_zero: Tensor,
-    bits: int,
-    group: int,
-    visible_len: Tensor,
-    excluded_pos: Tensor,
-    excluded_valid: Tensor,
-) -> Outputs:
-    args = (
-        rows,
-        k_packed,
-        k_scale,
-        k_zero,
-        v_packed,
-        v_scale,
-        v_zero,
-        bits,
-        group,
-        visible_len,
-        excluded_pos,
-        excluded_valid,
-    )
+def _serve(*inputs) -> Outputs:
+    """specache::lowbit_partial_attention for CUDA tensors (its arguments, in its order): the
+    Triton kernels for the shapes they take, the reference otherwise."""
+    rows, bits, group = inputs[0], inputs[7], inputs[8]
     if supports(rows, bits, group):
-        return run_kernels(*args)
-    return specache.lowbit_partial_attention_reference(*args)
+        return run_kernels(*inputs)
+    return specache.lowbit_partial_attention_reference(*inputs)
 
 
 @lru_cache(maxsize=None)
