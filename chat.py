@@ -20,17 +20,8 @@ import torch
 
 from checkpoint import UserError, load_model, load_tokenizer, resolve_checkpoint
 from disk_tier import SlowTierError
-from generate import (
-    GenerateOptions,
-    GenerationResult,
-    TextStream,
-    compile_decode,
-    generate,
-    log,
-    peak_memory_bytes,
-    run_command,
-    validate_generation_args,
-)
+from generation import GenerateOptions, GenerationResult, compile_decode, generate
+from generate import TextStream, log, peak_memory_bytes, run_command, validate_generation_args
 from options import (
     EVICTION_CACHES,
     add_cache_arguments,

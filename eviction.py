@@ -219,7 +219,7 @@ class EvictionLayer(nn.Module):
 class EvictionCache:
     """An eviction cache in every full-attention layer of `model` (a ring in each sliding-window
     layer), for `batch_size` sequences of up to `max_seq_length` positions, driven by
-    generate.generate (see caches.py for the protocol). Decode steps take one row."""
+    generation.generate (see caches.py for the protocol). Decode steps take one row."""
 
     graph_breaks = False
     whole_step = True

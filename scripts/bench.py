@@ -52,7 +52,6 @@ step against context, batch 1).
 
 import argparse
 import gc
-import importlib.util
 import statistics
 import sys
 import time
@@ -64,34 +63,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from checkpoint import load_model  # noqa: E402
 from caches import full_cache_step_bytes  # noqa: E402
-from generate import weight_bytes  # noqa: E402
+from generation import weight_bytes  # noqa: E402
 from config import ModelArgs, transformer_configs  # noqa: E402
 from model import Transformer  # noqa: E402
 from quantize import Int8Linear, replace_linears  # noqa: E402
 from checkpoint import find_default_gguf, prepare_default_checkpoint  # noqa: E402
 from scripts.harness import RESULTS_DIR, Runner, method_argument, write_report  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
+from scripts.bench_peers import (  # noqa: E402
+    bench_hf,
+    bench_llama_cpp,
+    llama_cpp_available,
+    measure_read_bandwidth,
+    quanto_available,
+)
 
 DEFAULT_METHODS = ["full", "specache-1bit", "specache-2bit", "specache-nospec-1bit", "kivi-1bit"]
 WAITED = "specache-1bit, fetch waited"
 LLAMA_CPP = "llama.cpp, f16 KV"
-
-
-def measure_read_bandwidth(
-    device: torch.device = torch.device("cpu"), gib: float = 0.5, repeats: int = 7
-) -> float:
-    """Median GB/s of summing a tensor far larger than the caches, with torch's threads (CPU)."""
-    x = torch.ones(int(gib * 2**30) // 4, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    x.sum()
-    rates = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        x.sum()
-        sync()
-        rates.append(x.numel() * 4 / (time.perf_counter() - t0) / 1e9)
-    return statistics.median(rates)
 
 
 def random_model(
@@ -227,135 +216,6 @@ def max_batch(runner: Runner, method: str, prompt: list[int], prefilled, cap: in
             release_caches(runner.model)
 
     return largest_batch(fits, cap)
-
-
-class TokenClock:
-    """A transformers streamer that timestamps every new token."""
-
-    def __init__(self):
-        self.times = []
-
-    def put(self, value):
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        """Nothing to flush: only the timestamps matter."""
-
-
-def bench_hf(
-    hf_model, prompt: list[int], new_tokens: int, step_bytes: int, cache_implementation=None
-) -> dict:
-    ids = torch.tensor([prompt], device=hf_model.device)
-    extra = (
-        {}
-        if cache_implementation is None
-        else dict(
-            cache_implementation=cache_implementation, cache_config=dict(backend="quanto", nbits=2)
-        )
-    )
-    hf_model.generate(ids[:, :64], max_new_tokens=4, do_sample=False, **extra)  # warm-up
-    bandwidth_before = measure_read_bandwidth(hf_model.device)
-    clock = TokenClock()
-    hf_model.generate(
-        ids,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        streamer=clock,
-        **extra,
-    )
-    bandwidth = (bandwidth_before + measure_read_bandwidth(hf_model.device)) / 2
-    # put() is called once with the prompt, then once per new token; the first new token ends
-    # prefill.
-    first, last = clock.times[1], clock.times[-1]
-    seconds_per_step = (last - first) / (len(clock.times) - 2)
-    return dict(
-        ms_per_step=1e3 * seconds_per_step,
-        tok_s=1 / seconds_per_step,
-        gbps=step_bytes / seconds_per_step / 1e9,
-        bandwidth=bandwidth,
-        fast=None,
-        slow=None,
-        prefill=first - clock.times[0],
-    )
-
-
-def bench_llama_cpp(gguf: Path, prompt: list[int], new_tokens: int, quantized_kv: bool) -> dict:
-    """llama.cpp (llama-cpp-python) on the GGUF the default model comes from: the same prompt
-    prefilled, then `new_tokens` greedy steps, each timed; torch's thread count. Its KV cache in
-    f16 (no flash attention), or with `quantized_kv` in q4_0 (which needs flash attention)."""
-    import llama_cpp
-    import numpy as np
-
-    kv_type = llama_cpp.GGML_TYPE_Q4_0 if quantized_kv else llama_cpp.GGML_TYPE_F16
-    threads = torch.get_num_threads()
-    llm = llama_cpp.Llama(
-        model_path=str(gguf),
-        n_ctx=len(prompt) + new_tokens + 8,
-        n_batch=512,
-        n_threads=threads,
-        n_threads_batch=threads,
-        flash_attn=quantized_kv,
-        type_k=kv_type,
-        type_v=kv_type,
-        verbose=False,
-    )
-    vocab = llm.n_vocab()
-
-    # the last token's logits (Llama.scores keeps them only with logits_all, for every token)
-    def greedy() -> int:
-        return int(
-            np.argmax(
-                np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))
-            )
-        )
-
-    bandwidth_before = measure_read_bandwidth()
-    t0 = time.perf_counter()
-    llm.eval(prompt)
-    prefill = time.perf_counter() - t0
-    token, steps = greedy(), []
-    for _ in range(new_tokens):
-        t0 = time.perf_counter()
-        llm.eval([token])
-        token = greedy()
-        steps.append(time.perf_counter() - t0)
-    bandwidth = (bandwidth_before + measure_read_bandwidth()) / 2
-    seconds_per_step = statistics.median(steps)
-    c = llm.metadata
-    layers, kv_heads = int(c["llama.block_count"]), int(c["llama.attention.head_count_kv"])
-    head_dim = int(c["llama.embedding_length"]) // int(c["llama.attention.head_count"])
-    kv_bytes = (
-        2
-        * layers
-        * kv_heads
-        * head_dim
-        * (len(prompt) + new_tokens // 2)
-        * (18 / 32 if quantized_kv else 2)
-    )
-    step_bytes = gguf.stat().st_size + kv_bytes  # the file is the weights, bar a small header
-    llm.close()
-    return dict(
-        ms_per_step=1e3 * seconds_per_step,
-        tok_s=1 / seconds_per_step,
-        gbps=step_bytes / seconds_per_step / 1e9,
-        bandwidth=bandwidth,
-        fast=kv_bytes,
-        slow=None,
-        prefill=prefill,
-    )
-
-
-def llama_cpp_available() -> bool:
-    return importlib.util.find_spec("llama_cpp") is not None
-
-
-def quanto_available() -> bool:
-    try:
-        import optimum.quanto  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def table(rows: list[dict], title: str) -> str:

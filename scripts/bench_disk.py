@@ -58,10 +58,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from caches import FullCache, make_cache  # noqa: E402
 from config import transformer_configs  # noqa: E402
 from disk_tier import IO_THREADS  # noqa: E402
-from generate import GenerateOptions, exit_on_signal, generate, weight_bytes  # noqa: E402
+from generation import GenerateOptions, generate, weight_bytes  # noqa: E402
 
 # noqa: E402
-from scripts.bench import full_cache_bytes, measure_read_bandwidth, random_model, release_caches
+from generate import exit_on_signal  # noqa: E402
+
+# noqa: E402
+from scripts.bench import full_cache_bytes, random_model, release_caches  # noqa: E402
+from scripts.bench_peers import measure_read_bandwidth  # noqa: E402
 from scripts.harness import RESULTS_DIR, write_report  # noqa: E402
 from scripts.long_run import resident_bytes  # noqa: E402
 
@@ -356,10 +360,16 @@ def layout_bench(folder: str, repeats: int = 5) -> str:
         mapping.close()
         return len(rows)
 
-    lines = [
-        "| heads pick | layout | read with | reads (runs or rows) | KiB read | cold µs | warm µs |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    columns = (
+        "heads pick",
+        "layout",
+        "read with",
+        "reads (runs or rows)",
+        "KiB read",
+        "cold µs",
+        "warm µs",
+    )
+    lines = ["| " + " | ".join(columns) + " |", "|---|---|---|---|---|---|---|"]
     g = torch.Generator().manual_seed(0)
     for pattern in ("different positions", "the same positions"):
         for layout, fd in files.items():

@@ -42,14 +42,14 @@ from caches import (
 )  # noqa: E402
 from checkpoint import load_model, resolve_checkpoint  # noqa: E402
 from eviction import prompt_attention_mass  # noqa: E402
-from generate import (
-    COMPILED_CAPACITY_STEP,
+from generation import (  # noqa: E402
     GenerateOptions,
     GenerationResult,
     compile_decode,
     generate,
     prefill,
-)  # noqa: E402
+)
+from generate import COMPILED_CAPACITY_STEP  # noqa: E402
 from model import Transformer, prompt_attention  # noqa: E402
 from specache import Method, SpeCacheConfig  # noqa: E402
 from tokenizer import Tokenizer, get_tokenizer  # noqa: E402

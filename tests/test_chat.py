@@ -10,7 +10,7 @@ import pytest
 
 from caches import FullCache, PluggedSpeCache
 from conftest import specache_config
-from generate import GenerateOptions, generate
+from generation import GenerateOptions, generate
 from tokenizer import get_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent

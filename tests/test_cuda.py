@@ -7,7 +7,7 @@ import torch
 import specache
 from caches import FullCache, PluggedSpeCache
 from conftest import specache_config, tiny_model
-from generate import compile_decode, generate
+from generation import compile_decode, generate
 from specache_stats import Diagnostics
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

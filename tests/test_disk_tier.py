@@ -17,7 +17,8 @@ import torch
 import disk_tier
 from conftest import tiny_model
 from disk_tier import SlowTierError
-from generate import generate, main
+from generation import generate
+from generate import main
 from scripts.harness import Runner
 from scripts.haystack import needle_prompt
 from caches import PluggedSpeCache

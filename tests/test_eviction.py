@@ -13,7 +13,7 @@ from eviction import (
     EvictionState,
     prompt_attention_mass,
 )
-from generate import generate
+from generation import generate
 from model import CausalPrompt
 from caches import PluggedSpeCache
 from conftest import specache_config

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from conftest import tiny_model
 from caches import FullCache
-from generate import generate
+from generation import generate
 from caches import PluggedSpeCache
 from conftest import specache_config
 

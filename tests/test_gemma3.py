@@ -8,7 +8,7 @@ during prefill, and the cached decode steps read wrapped rings.
 import pytest
 import torch
 
-from generate import generate
+from generation import generate
 from scripts.haystack import haystack_tokens
 from caches import FullCache
 from caches import PluggedSpeCache

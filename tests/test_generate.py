@@ -5,7 +5,7 @@ import torch
 
 from conftest import tiny_model
 from caches import FullCache
-from generate import compile_decode, generate
+from generation import compile_decode, generate
 
 
 def test_cached_decode_equals_full_recompute():

@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_model
 from caches import NAMED_METHODS, FullCache, make_cache, parse_method, specache_config
 from eviction import EvictionCache, EvictionConfig
-from generate import generate
+from generation import generate
 from scripts.harness import Runner, write_report
 
 TOPK = 16

@@ -12,7 +12,7 @@ from caches import FullCache, PluggedSpeCache
 from checkpoint import load_model
 from conftest import make_tiny_hf_model, specache_config
 from convert import convert_hf_checkpoint
-from generate import generate
+from generation import generate
 from integrations import hf
 
 NEW_TOKENS = 32

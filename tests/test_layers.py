@@ -10,7 +10,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # lowest first; scripts/ sit above everything and are never imported by the core
 LAYERS = [
-    ["specache", "config", "tokenizer"],
+    ["specache", "config", "tokenizer", "openai_api"],
     ["kernels.cpu_build", "kernels.cpu_ops"],
     [
         "kernels.lowbit_cpu",
@@ -25,7 +25,7 @@ LAYERS = [
     ["eviction"],
     ["caches"],
     ["checkpoint"],
-    ["options", "tp"],
+    ["generation", "options", "tp"],
     ["generate"],
     ["serve", "chat"],
     ["integrations.hf"],  # transformers and specache.py alone

@@ -29,7 +29,7 @@ def test_full_cache_choices_are_what_greedy_decoding_picks():
     model = tiny_model()
     prompt = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(1)).tolist()
     from caches import FullCache
-    from generate import generate
+    from generation import generate
 
     generated = generate(model, FullCache(model, 1, 50), [prompt], 20, temperature=0).tokens[0]
     assert full_cache_choices(model, prompt, generated) == generated

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from checkpoint import load_model
 from conftest import make_tiny_hf_model, tiny_model
 from convert import convert_hf_checkpoint
-from generate import generate
+from generation import generate
 from model import CAUSAL_PROMPT
 from quantize import (
     Int4Linear,

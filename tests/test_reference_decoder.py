@@ -13,7 +13,7 @@ import torch
 
 from caches import PluggedSpeCache, split_oracle
 from conftest import tiny_model
-from generate import generate
+from generation import generate
 from reference_decoder import ReferenceDecoder
 from specache import Method, Placement, SpeCacheConfig
 from specache_stats import Diagnostics

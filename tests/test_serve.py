@@ -1,6 +1,6 @@
 """serve.py: the real server in a subprocess on 127.0.0.1, spoken to with the official `openai`
 client (and raw HTTP for what a client library would refuse to send). Greedy answers are held
-against generate.generate on the same model and cache, run in this process."""
+against generation.generate on the same model and cache, run in this process."""
 
 import asyncio
 import socket
@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from caches import make_cache
-from generate import generate
+from generation import generate
 from scripts.bench_serve import server_flags, start_server
 from serve import Job, main
 from tokenizer import get_tokenizer

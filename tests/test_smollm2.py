@@ -9,7 +9,7 @@ import torch
 
 from conftest import REPO_ROOT
 from caches import FullCache
-from generate import generate
+from generation import generate
 from tokenizer import get_tokenizer
 
 

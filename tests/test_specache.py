@@ -13,7 +13,7 @@ import specache
 from caches import FullCache, PluggedSpeCache
 from config import ModelArgs
 from conftest import specache_config, tiny_model
-from generate import compile_decode, generate
+from generation import compile_decode, generate
 from model import KVCache, Transformer
 from reference_decoder import lookup_guess
 from specache import (

@@ -9,7 +9,7 @@ import pytest
 
 import specache
 from caches import FullCache, make_cache
-from generate import generate
+from generation import generate
 from scripts.haystack import answered, needle_prompt
 from tokenizer import get_tokenizer
 

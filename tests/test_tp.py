@@ -25,7 +25,8 @@ import torch
 from conftest import REPO_ROOT, tiny_model
 from caches import make_cache
 from checkpoint import DEFAULT_CHECKPOINT_DIR, UserError, load_model, load_tokenizer
-from generate import generate, main
+from generation import generate
+from generate import main
 from model import Transformer, precompute_freqs_cis
 from quantize import Int4Linear, pack_int4, quantized_state_dict
 import tp
