@@ -42,7 +42,7 @@ from torch import Tensor
 
 from disk_tier import DiskFolder, DiskTier
 from eviction import EvictionCache, EvictionConfig, EvictionLayer, EvictionState
-from kernels import dense_cpu, lowbit_cpu, lowbit_triton, rank_cpu
+from kernels import dense_cpu, lowbit_cpu, lowbit_int_cpu, lowbit_triton, rank_cpu
 from model import FLEX_BLOCK_SIZE, KVCache, RingKVCache, Transformer
 from specache import (
     Method,
@@ -218,6 +218,7 @@ def accelerate_specache() -> None:
     """specache.py's ops run on the C kernels (CPUs) and the Triton kernels (GPUs) where those
     build: registered once per process, before anything compiles a step."""
     lowbit_cpu.register()
+    lowbit_int_cpu.register()
     rank_cpu.register()
     dense_cpu.register_merge()
     lowbit_triton.register()
@@ -351,8 +352,16 @@ def parse_method(method: str) -> tuple[str, Optional[int], Optional[str]]:
             "KIVI methods take a selection after a colon (see --specache_select)"
         )
     if select:
-        split_oracle(select)
+        split_oracle(split_arithmetic(select)[0])
     return kind, bits, select or None
+
+
+def split_arithmetic(select: str) -> tuple[str, Optional[str]]:
+    """A --specache_select value without its `int8` item (the low-bit pass in integers:
+    specache.Method.arithmetic), and "int8" where it named one, else None."""
+    items = [item.strip() for item in select.split(",") if item.strip()]
+    rest = [item for item in items if item != "int8"]
+    return ",".join(rest), "int8" if len(rest) < len(items) else None
 
 
 def split_oracle(select: str) -> tuple[Selection, Optional[str]]:
@@ -380,16 +389,20 @@ def specache_config(
     residual: int = 64,
     pair_dtype: Optional[torch.dtype] = None,
     overlap_fetch: bool = True,
+    arithmetic: str = "float",
 ) -> tuple[SpeCacheConfig, Optional[str]]:
     """The SpeCacheConfig of a low-bit kind, and the oracle its selection names: SpeCache
     (speculative or not) with our selection unless `select` names another, or KIVI (nothing
-    fetched) with the paper's levels unless it names others."""
+    fetched) with the paper's levels unless it names others. An `int8` item in `select` sets the
+    arithmetic (and alone leaves the selection at its default)."""
+    select, named_arithmetic = split_arithmetic(select or "")
     method = Method(
         bits=bits or 1,
         group=group,
         residual=residual,
         topk=0 if kind == "kivi" else topk,
         speculative=kind == "specache",
+        arithmetic=named_arithmetic or arithmetic,
     )
     selection, oracle = split_oracle(select or ("paper" if kind == "kivi" else "default"))
     placement = Placement(pair_dtype=pair_dtype, overlap_fetch=overlap_fetch)
@@ -437,9 +450,9 @@ def make_cache(
 
     Bits and a selection in the name win over `bits` and `select`. SpeCache and KIVI take `topk`,
     `stats` (the diagnostics), the slow tier, and specache_config's `options` (group, residual,
-    pair_dtype, overlap_fetch); the eviction baselines keep `budget_tokens` per layer and KV head
-    (default: as many as fit in SpeCache's fast-tier bytes at `budget_bits` bits at this
-    capacity) and StreamingLLM `sink_tokens` sinks; the full cache uses FlexAttention with
+    pair_dtype, overlap_fetch, arithmetic); the eviction baselines keep `budget_tokens` per layer
+    and KV head (default: as many as fit in SpeCache's fast-tier bytes at `budget_bits` bits at
+    this capacity) and StreamingLLM `sink_tokens` sinks; the full cache uses FlexAttention with
     `use_flex`.
     """
     kind, named_bits, named_select = parse_method(method)

@@ -111,6 +111,14 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
         help="k: 16-bit pairs fetched per layer and KV head each step (default 64)",
     )
     g.add_argument(
+        "--specache_arithmetic",
+        choices=("float", "int8"),
+        default="float",
+        help="the low-bit pass's products: float, or int8 (ours: both operands rounded to 8-bit "
+        "integers per row, what CPUs with integer dot products run fastest, AVX512-VNNI; "
+        "docs/method.md says what it costs in accuracy). A selection's `int8` item does the same",
+    )
+    g.add_argument(
         "--specache_select",
         default="default",
         metavar="SELECTION",
@@ -237,6 +245,7 @@ def cache_from_args(
             topk=args.specache_topk,
             group=args.specache_group,
             residual=args.specache_residual,
+            arithmetic=args.specache_arithmetic,
             stats=args.specache_stats,
             budget_tokens=args.budget_tokens,
             budget_bits=args.specache_bits,

@@ -73,6 +73,9 @@ class Method:
     residual: int = 64  # R: the newest R tokens stay 16-bit; a multiple of g
     topk: int = 64  # k: 16-bit pairs read per layer and KV head each step; 0 = KIVI alone
     speculative: bool = True  # False: the paper's non-speculative baseline
+    # the low-bit pass's products: "float", or "int8" (ours: 8-bit integers, what CPUs with
+    # integer dot products run fastest; `lowbit_partial_attention_int8_reference`)
+    arithmetic: str = "float"
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,10 @@ class SpeCacheConfig:
                 f"({m.group}), so that groups of tokens leave the window whole",
             ),
             (m.topk >= 0, f"SpeCache top-k must be >= 0, got {m.topk}"),
+            (
+                m.arithmetic in ARITHMETICS,
+                f"SpeCache arithmetic must be float or int8, got {m.arithmetic!r}",
+            ),
             (
                 0 <= s.real_share <= 1,
                 f"split: the real row's share of k must be in [0, 1], got {s.real_share}",
@@ -625,11 +632,108 @@ def lowbit_partial_attention_reference(
     keys = dequantize_keys(F.pad(k_packed, (0, 0, 0, padded - t)), k_scale, k_zero, bits, group)
     values = dequantize_values(v_packed, v_scale, v_zero, bits, group)
     scores = rows @ keys[:, :, :t].transpose(-1, -2)
-    visible = torch.arange(t, device=rows.device) < visible_len[:, None, None]
+    weights, row_max = lowbit_softmax(scores, visible_len, excluded_pos, excluded_valid)
+    return weights, row_max, weights.sum(-1), weights @ values
+
+
+def lowbit_softmax(
+    scores: Tensor, visible_len: Tensor, excluded_pos: Tensor, excluded_valid: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The low-bit pass's weights exp(score - row_max) over the allowed positions (exactly 0
+    elsewhere) and row_max (-inf where none is allowed), from scores (B, Hkv, M, T)."""
+    t = scores.shape[-1]
+    visible = torch.arange(t, device=scores.device) < visible_len[:, None, None]
     allowed = (visible & ~positions_mask(excluded_pos, excluded_valid, t)).unsqueeze(2)
     row_max = scores.masked_fill(~allowed, float("-inf")).amax(-1)
-    weights = torch.where(allowed, torch.exp(scores - row_max.unsqueeze(-1)), 0.0)
-    return weights, row_max, weights.sum(-1), weights @ values
+    return torch.where(allowed, torch.exp(scores - row_max.unsqueeze(-1)), 0.0), row_max
+
+
+# The integer pass (ours). A CPU with integer dot products (x86's VPDPBUSD) multiplies 64 bytes
+# in one instruction, four times the float lanes, and a 1-/2-bit code needs only widening to a
+# byte. So both products of the low-bit pass can run on int8 operands: each float operand is
+# rounded to integers in [-127, 127] against its largest magnitude, the products and their sums
+# are exact integers, and one float step per slice scales them back. Only those two roundings
+# differ from the float pass: about 0.4% of the largest element, far below what 1 or 2 bits lose.
+ARITHMETICS = ("float", "int8")
+INT8_BLOCK = 64  # positions whose weights round against one largest weight
+
+
+def int8_round(x: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """x rounded to integers in [-127, 127] (as float32) against its largest magnitude along
+    `dim`, and the step (kept as size 1): x ~ codes * step. An all-zero slice has step 0."""
+    largest = x.abs().amax(dim, keepdim=True)
+    # a true division (`127 / tensor` would multiply by a reciprocal), as the kernels divide
+    inverse = largest.new_tensor(127.0) / largest
+    return torch.where(largest > 0, x * inverse, 0.0).round(), largest / 127
+
+
+def int8_scores(
+    rows: Tensor, k_packed: Tensor, k_scale: Tensor, k_zero: Tensor, bits: int, group: int
+) -> Tensor:
+    """Scores (B, Hkv, M, T) of rows (B, Hkv, M, D) over the low-bit keys, in integers: per row
+    and key group j, the rows times the group's channel scales round to int8, q * s_j ~ q8 *
+    alpha, and
+
+        score = alpha * (q8 . code) + q . z_j
+
+    the integer dot product exact (in float32 too: |q8 . code| < 2**24)."""
+    b, h, t, _ = k_packed.shape
+    m, d = rows.shape[2:]
+    n_groups = k_scale.shape[2]
+    padded = F.pad(k_packed, (0, 0, 0, n_groups * group - t))
+    codes = unpack_bits(padded, bits, d).float().view(b, h, n_groups, group, d)
+    q8, alpha = int8_round(rows.unsqueeze(2) * k_scale.float().unsqueeze(3), -1)  # (B,H,J,M,D)
+    bias = (rows @ k_zero.float().transpose(-1, -2)).transpose(-1, -2).unsqueeze(-1)
+    scores = alpha * (q8 @ codes.transpose(-1, -2)) + bias  # (B, Hkv, J, M, group)
+    return scores.transpose(2, 3).reshape(b, h, m, n_groups * group)[..., :t]
+
+
+def int8_value_mix(
+    weights: Tensor, v_packed: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int
+) -> Tensor:
+    """weights (B, Hkv, M, T) times the low-bit values, in integers: per row, block of INT8_BLOCK
+    positions (from 0) and value group g, the weights times the values' scales round to int8,
+    w * s_g ~ w8 * beta, and
+
+        out = sum over blocks of beta * (w8 . code) + w . z_g
+
+    each block's integer dot product exact."""
+    b, h, m, t = weights.shape
+    d = v_packed.shape[-1] * 8 // bits
+    n_value_groups = v_scale.shape[-1]
+    pad = -t % INT8_BLOCK
+    blocks = (t + pad) // INT8_BLOCK
+    codes = unpack_bits(F.pad(v_packed, (0, 0, 0, pad)), bits, d).float()
+    codes = codes.view(b, h, blocks, INT8_BLOCK, n_value_groups, d // n_value_groups)
+    scaled = weights.unsqueeze(-1) * v_scale.float().unsqueeze(2)  # (B, Hkv, M, T, NV)
+    scaled = F.pad(scaled, (0, 0, 0, pad)).view(b, h, m, blocks, INT8_BLOCK, n_value_groups)
+    w8, beta = int8_round(scaled, -2)
+    dots = torch.einsum("bhmntg,bhntgc->bhmngc", w8, codes)
+    out = (beta.squeeze(-2).unsqueeze(-1) * dots).sum(3).flatten(-2)
+    zero = (weights @ v_zero.float()).repeat_interleave(d // n_value_groups, -1)
+    return out + zero
+
+
+def lowbit_partial_attention_int8_reference(
+    rows: Tensor,
+    k_packed: Tensor,
+    k_scale: Tensor,
+    k_zero: Tensor,
+    v_packed: Tensor,
+    v_scale: Tensor,
+    v_zero: Tensor,
+    bits: int,
+    group: int,
+    visible_len: Tensor,
+    excluded_pos: Tensor,
+    excluded_valid: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`lowbit_partial_attention_reference` with both products in integers (`int8_scores`,
+    `int8_value_mix`); the softmax between them is the same."""
+    scores = int8_scores(rows, k_packed, k_scale, k_zero, bits, group)
+    weights, row_max = lowbit_softmax(scores, visible_len, excluded_pos, excluded_valid)
+    out = int8_value_mix(weights, v_packed, v_scale, v_zero, bits)
+    return weights, row_max, weights.sum(-1), out
 
 
 def merge_segments_reference(
@@ -738,12 +842,13 @@ def top_positions_reference(
 
 
 _OPS = torch.library.Library("specache", "FRAGMENT")
-_OPS.define(
-    "lowbit_partial_attention(Tensor rows, Tensor k_packed, Tensor k_scale, "
-    "Tensor k_zero, Tensor v_packed, Tensor v_scale, Tensor v_zero, int bits, int group, "
-    "Tensor visible_len, Tensor excluded_pos, Tensor excluded_valid) "
-    "-> (Tensor, Tensor, Tensor, Tensor)"
-)
+for _name in ("lowbit_partial_attention", "lowbit_partial_attention_int8"):
+    _OPS.define(
+        f"{_name}(Tensor rows, Tensor k_packed, Tensor k_scale, "
+        "Tensor k_zero, Tensor v_packed, Tensor v_scale, Tensor v_zero, int bits, int group, "
+        "Tensor visible_len, Tensor excluded_pos, Tensor excluded_valid) "
+        "-> (Tensor, Tensor, Tensor, Tensor)"
+    )
 _OPS.define(
     "merge_segments(Tensor rows, Tensor row_max, Tensor row_sum, Tensor lowbit_out, "
     "Tensor fetched_k, Tensor fetched_v, Tensor fetched_valid, Tensor window_k, "
@@ -757,6 +862,7 @@ _OPS.define(
 )
 for _name, _reference in (
     ("lowbit_partial_attention", lowbit_partial_attention_reference),
+    ("lowbit_partial_attention_int8", lowbit_partial_attention_int8_reference),
     ("merge_segments", merge_segments_reference),
     ("top_positions", top_positions_reference),
 ):
@@ -764,6 +870,7 @@ for _name, _reference in (
 
 
 @torch.library.register_fake("specache::lowbit_partial_attention")
+@torch.library.register_fake("specache::lowbit_partial_attention_int8")
 def _(rows, k_packed, *args):
     b, h, m, d = rows.shape
     t = k_packed.shape[2]
@@ -811,10 +918,12 @@ def query_rows(q: Tensor, n_kv_heads: int) -> Tensor:
     return q.reshape(b, n_kv_heads, (h // n_kv_heads) * s, d).float() * d**-0.5
 
 
-def lowbit_partial_attention(rows: Tensor, kv: LowBitKV, seg: Segments) -> LowBitPart:
+def lowbit_partial_attention(
+    rows: Tensor, kv: LowBitKV, seg: Segments, arithmetic: str = "float"
+) -> LowBitPart:
     """The low-bit segment of `seg`: positions [0, Lq) but the exact ones in valid slots
-    (`specache::lowbit_partial_attention`). A copy of no positions (a capacity too short to
-    quantize anything) contributes nothing."""
+    (`specache::lowbit_partial_attention`, or its `_int8` twin). A copy of no positions (a
+    capacity too short to quantize anything) contributes nothing."""
     if kv.k_packed.shape[2] == 0:
         b, h, m, d = rows.shape
         return LowBitPart(
@@ -823,10 +932,13 @@ def lowbit_partial_attention(rows: Tensor, kv: LowBitKV, seg: Segments) -> LowBi
             rows.new_zeros(b, h, m),
             rows.new_zeros(b, h, m, d),
         )
+    op = (
+        torch.ops.specache.lowbit_partial_attention_int8
+        if arithmetic == "int8"
+        else torch.ops.specache.lowbit_partial_attention
+    )
     return LowBitPart(
-        *torch.ops.specache.lowbit_partial_attention(
-            rows, *kv[:6], kv.bits, kv.group, seg.quantized_len, seg.fetched_pos, seg.fetched_valid
-        )
+        *op(rows, *kv[:6], kv.bits, kv.group, seg.quantized_len, seg.fetched_pos, seg.fetched_valid)
     )
 
 
@@ -1529,7 +1641,7 @@ class SpeCacheLayer(nn.Module):
             k,
             v,
         )
-        part = lowbit_partial_attention(rows, self.lowbit(), seg)
+        part = lowbit_partial_attention(rows, self.lowbit(), seg, self.config.method.arithmetic)
         if self.picks:
             part, seg = self.pick_within_step(rows, part, seg, s, discard)
         merged = merge_segments(rows, part, seg)

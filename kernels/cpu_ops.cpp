@@ -1,6 +1,6 @@
 // The CPU ops that a decode step calls most, dispatched in C++: specache::quantized_linear (about 150
 // calls a step on SmolLM2), specache::dense_decode_attention (one per layer), and SpeCache's
-// specache::lowbit_partial_attention (one per layer), specache::merge_segments and
+// specache::lowbit_partial_attention (one per layer, or its _int8 twin), specache::merge_segments and
 // specache::top_positions (two each per layer). Their
 // Python implementations (kernels/linear_cpu.py, dense_cpu.py, lowbit_cpu.py, rank_cpu.py: `_op`)
 // check the inputs, fill a ctypes
@@ -81,7 +81,8 @@ LinearKernel linear_kernel = nullptr;
 DenseKernel dense_kernel = nullptr;
 MergeKernel merge_kernel = nullptr;
 RankKernel rank_kernel = nullptr;
-LowbitKernel lowbit_kernel = nullptr;
+LowbitKernel lowbit_kernel = nullptr;       // kernels/lowbit_cpu.c
+LowbitKernel lowbit_int8_kernel = nullptr;  // kernels/lowbit_int_cpu.c, the same struct
 
 // Positions a call never attends or chooses: excluded_pos (B, Hkv, E) int64, where excluded_valid (same shape, bool).
 void check_exclusions(const char *op, const at::Tensor &excluded_pos, const at::Tensor &excluded_valid, int64_t b,
@@ -228,11 +229,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_seg
 }
 
 // The checks guard the kernel's reads and writes; kernels/lowbit_cpu.py's _check states the whole contract.
+// Integer: specache::lowbit_partial_attention_int8, the same contract with kernels/lowbit_int_cpu.c.
+template <bool integer>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_partial_attention(
     const at::Tensor &rows_in, const at::Tensor &k_packed_in, const at::Tensor &k_scale_in, const at::Tensor &k_zero_in,
     const at::Tensor &v_packed_in, const at::Tensor &v_scale_in, const at::Tensor &v_zero_in, int64_t bits, int64_t group,
     const at::Tensor &visible_len_in, const at::Tensor &excluded_pos_in, const at::Tensor &excluded_valid_in) {
-  TORCH_CHECK(lowbit_kernel, "lowbit_partial_attention: the C kernel was not handed over");
+  const LowbitKernel kernel = integer ? lowbit_int8_kernel : lowbit_kernel;
+  const char *name = integer ? "lowbit_partial_attention_int8" : "lowbit_partial_attention";
+  TORCH_CHECK(kernel, name, ": the C kernel was not handed over");
   TORCH_CHECK_VALUE(rows_in.dim() == 4 && rows_in.scalar_type() == at::kFloat,
                     "lowbit_partial_attention: rows must be (B, Hkv, M, D) float32");
   const int64_t b = rows_in.size(0), h = rows_in.size(1), m = rows_in.size(2), d = rows_in.size(3);
@@ -258,7 +263,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_partial_attent
   check_exclusions("lowbit_partial_attention", excluded_pos_in, excluded_valid_in, b, h);
   if (!(d % 16 == 0 && d >= 16 && d <= 256 && group % 8 == 0 && group <= (1 << 20))) {
     // a shape the C kernel does not take: specache.py's reference
-    static const auto reference = plain<decltype(lowbit_partial_attention)>("lowbit_partial_attention");
+    static const auto reference = plain<decltype(lowbit_partial_attention<integer>)>(name);
     return reference.call(rows_in, k_packed_in, k_scale_in, k_zero_in, v_packed_in, v_scale_in, v_zero_in, bits, group,
                           visible_len_in, excluded_pos_in, excluded_valid_in);
   }
@@ -274,7 +279,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_partial_attent
                               row_sum.data_ptr(), out.data_ptr(), b, h, m, d, t, excluded_pos.size(2),
                               static_cast<int32_t>(bits), static_cast<int32_t>(group), static_cast<int32_t>(value_groups),
                               scale_type == at::kBFloat16 ? 1 : 0, static_cast<int32_t>(at::get_num_threads())};
-  TORCH_CHECK(lowbit_kernel(&problem) == 0, "lowbit_cpu.c rejected a problem that passed the checks");
+  TORCH_CHECK(kernel(&problem) == 0, name, ": the C kernel rejected a problem that passed the checks");
   return {weights, row_max, row_sum, out};
 }
 
@@ -344,6 +349,9 @@ void set_cpu_kernel(const std::string &name, int64_t address) {
   } else if (name == "lowbit_partial_attention") {
     first = lowbit_kernel == nullptr;
     lowbit_kernel = reinterpret_cast<LowbitKernel>(address);
+  } else if (name == "lowbit_partial_attention_int8") {
+    first = lowbit_int8_kernel == nullptr;
+    lowbit_int8_kernel = reinterpret_cast<LowbitKernel>(address);
   } else {
     TORCH_CHECK(false, "set_cpu_kernel: no C++ implementation of ", name);
   }
@@ -357,8 +365,10 @@ void set_cpu_kernel(const std::string &name, int64_t address) {
     library->impl("merge_segments", &merge_segments);
   else if (name == "top_positions")
     library->impl("top_positions", &top_positions);
+  else if (name == "lowbit_partial_attention")
+    library->impl("lowbit_partial_attention", &lowbit_partial_attention<false>);
   else
-    library->impl("lowbit_partial_attention", &lowbit_partial_attention);
+    library->impl("lowbit_partial_attention_int8", &lowbit_partial_attention<true>);
   registrations().push_back(std::move(library));
 }
 

@@ -12,51 +12,12 @@
      folded into the weight (w' = w * s per token and value group) and the zero summed apart
      (w . z), the table L[v] = sum over those tokens of w'_t * code_t(v) holds every partial sum the
      tokens can give one channel; each 16 channels take one vpermps and an add per row.
-   - Softmax: phase 1 writes the scores into `weights` and takes each task's row maxima; after one
-     barrier, phase 2 exponentiates in place against the row maximum and mixes the values.
-
-   Work is split into tasks of (batch, head, chunk of positions), chosen without regard to the
-   thread count, and a head's last task adds its tasks' sums in chunk order, so results do not
-   depend on the thread count. Positions go in sub-chunks of SUB tokens, so that a sub-chunk's
-   scores stay in L1 from scoring to the maximum, and from exp to the mix.
+   - Softmax, tasks and threads: kernels/lowbit_driver.h, which kernels/lowbit_int_cpu.c shares.
 
    With AVX-512 (F, BW, VL) and F16C, head_dim 64, 128 or 256 and group a multiple of 16 take the
    vectorized paths; other shapes, and builds without them, take the plain C functions, which run
    the same algorithm one lookup at a time. */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#include "simd.h"
-
-#define SUB 256          /* positions per sub-chunk, a multiple of 16 */
-#define MAX_D 256        /* largest head_dim (bounds the stack buffers); the Python wrapper checks it */
-#define MIN_WORK 8192    /* token-rows per thread, at least: waking a thread costs microseconds */
-#define TASKS 32         /* tasks per call to aim for */
-
-typedef struct {
-    const float *rows;                         /* (B, H, M, D), already scaled by D**-0.5 */
-    const uint8_t *k_packed, *v_packed;        /* (B, H, T, D*bits/8) */
-    const uint16_t *k_scale, *k_zero;          /* (B, H, ceil(T/group), D), fp16 or bf16 bits */
-    const uint16_t *v_scale, *v_zero;          /* (B, H, T, NV) */
-    const int64_t *visible_len;                /* (B,) */
-    const int64_t *excluded_pos;               /* (B, H, K) */
-    const uint8_t *excluded_valid;             /* (B, H, K) bool */
-    float *weights, *row_max, *row_sum, *out;  /* (B, H, M, T), (B, H, M), (B, H, M), (B, H, M, D) */
-    int64_t batch, heads, m, d, t, k;
-    int32_t bits, group, value_groups, bf16, threads;
-} Problem;
-
-static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-
-static inline float scale_to_float(uint16_t h, int bf16) {
-    return bf16 ? bits_to_float((uint32_t)h << 16) : half_to_float(h);
-}
-
-static inline int code_at(const uint8_t *token, int i, int bits) {
-    return (token[i * bits / 8] >> (i * bits % 8)) & ((1 << bits) - 1);
-}
+#include "lowbit_driver.h"
 
 /* ------------------------------------------------------------------------------------------
    Plain C: the algorithm one lookup at a time
@@ -141,16 +102,6 @@ static void mix_plain(const Problem *p, int64_t bh, int64_t a, int64_t e, float 
 #define ROWS 4   /* rows whose key lookups share one shift of the code words */
 #define TILE 64  /* tokens whose value nibbles are built once for all rows */
 
-static inline __m512 scales16(const uint16_t *x, int bf16) {
-    const __m256i h = _mm256_loadu_si256((const __m256i *)x);
-    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
-}
-
-static inline float scale_vector(uint16_t h, int bf16) {
-    return bf16 ? bits_to_float((uint32_t)h << 16) : _cvtsh_ss(h);
-}
-
-/* part[i][v] = (v >> i*bits) & mask: the code of a nibble's i-th element, for tables built by FMAs */
 static inline void nibble_parts(__m512 part[4], int bits) {
     const __m512i v = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
@@ -184,30 +135,12 @@ static inline __attribute__((always_inline)) void
 score_vector(const Problem *p, int64_t bh, int64_t j, int64_t a, int64_t e, const int bits, const int d) {
     const int n_words = d * bits / 32, nibbles = 8 * n_words, per = 4 / bits;
     const int64_t n = e - a, at = (bh * ((p->t + p->group - 1) / p->group) + j) * d;
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     uint32_t words[MAX_D * 2 / 32][SUB] __attribute__((aligned(64)));
     float qs[MAX_D] __attribute__((aligned(64)));
     __m512 lut[ROWS * MAX_D / 2], part[4];
     nibble_parts(part, bits);
 
-    /* Transpose the code words: 16 tokens' words fill n_words registers, and a two-source permute
-       collects word w of the 32 / n_words tokens that each pair of registers holds. */
-    const int32_t *codes = (const int32_t *)(p->k_packed + (bh * p->t + a) * (d * bits / 8));
-    for (int64_t i = 0; i < n; i += 16) {
-        __m512i src[MAX_D * 2 / 32];
-        for (int x = 0; x < n_words; x++)
-            src[x] = _mm512_maskz_loadu_epi32(tail_mask((n - i) * n_words - 16 * x), codes + i * n_words + 16 * x);
-        for (int w = 0; w < n_words; w++) {
-            const __m512i index = _mm512_and_si512(
-                _mm512_add_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32(n_words)), _mm512_set1_epi32(w)),
-                _mm512_set1_epi32(31));
-            __m512i word = _mm512_setzero_si512();
-            for (int pair = 0; pair < n_words / 2; pair++)
-                word = _mm512_mask_mov_epi32(word, (__mmask16)(((1u << (32 / n_words)) - 1) << (pair * 32 / n_words)),
-                                             _mm512_permutex2var_epi32(src[2 * pair], index, src[2 * pair + 1]));
-            _mm512_store_si512(&words[w][i], word);
-        }
-    }
+    transpose_words(p, bh, a, e, words, bits, d);
     for (int64_t m0 = 0; m0 < p->m; m0 += ROWS) {
         const int rows = (int)min64(p->m - m0, ROWS);
         for (int r = 0; r < rows; r++) {
@@ -360,9 +293,6 @@ static void mix_any(const Problem *p, int64_t bh, int64_t a, int64_t e, float *a
    The two phases
    ------------------------------------------------------------------------------------------ */
 
-typedef void (*ScoreFn)(const Problem *, int64_t, int64_t, int64_t, int64_t);
-typedef void (*MixFn)(const Problem *, int64_t, int64_t, int64_t, float *);
-
 static void pick(const Problem *p, ScoreFn *score, MixFn *mix) {
     *score = score_plain;
     *mix = mix_plain;
@@ -378,128 +308,11 @@ static void pick(const Problem *p, ScoreFn *score, MixFn *mix) {
     SHAPES(PICK)
 #endif
 }
-
-static float max_of(const float *w, int64_t n, float top) {
-#ifdef VECTOR
-    __m512 best = _mm512_set1_ps(top);
-    for (int64_t i = 0; i < n; i += 16) best = _mm512_mask_max_ps(best, tail_mask(n - i), best, _mm512_loadu_ps(w + i));
-    return _mm512_reduce_max_ps(best);
-#else
-    float best[8] = {top, top, top, top, top, top, top, top}; /* eight partial maxima, so that it vectorizes */
-    for (int64_t i = 0; i < n; i++) best[i % 8] = w[i] > best[i % 8] ? w[i] : best[i % 8];
-    for (int k = 0; k < 8; k++) top = best[k] > top ? best[k] : top;
-    return top;
-#endif
-}
-
-static int64_t visible(const Problem *p, int64_t bh) {
-    const int64_t len = p->visible_len[bh / p->heads];
-    return len < 0 ? 0 : min64(len, p->t);
-}
-
-/* Phase 1 for positions [c0, c1) of head bh: scores, exclusions, and the rows' maxima into top[M]. */
-static void score_chunk(const Problem *p, ScoreFn score, int64_t bh, int64_t c0, int64_t c1, float *top) {
-    const int64_t end = min64(c1, visible(p, bh));
-    for (int64_t m = 0; m < p->m; m++) top[m] = -INFINITY;
-    for (int64_t s0 = c0; s0 < end; s0 += SUB) {
-        const int64_t s1 = min64(s0 + SUB, end);
-        for (int64_t j = s0 / p->group; j * p->group < s1; j++)
-            score(p, bh, j, j * p->group > s0 ? j * p->group : s0, min64((j + 1) * p->group, s1));
-        for (int64_t x = 0; x < p->k; x++) {
-            const int64_t pos = p->excluded_pos[bh * p->k + x];
-            if (p->excluded_valid[bh * p->k + x] && pos >= s0 && pos < s1)
-                for (int64_t m = 0; m < p->m; m++) p->weights[(bh * p->m + m) * p->t + pos] = -INFINITY;
-        }
-        for (int64_t m = 0; m < p->m; m++) top[m] = max_of(p->weights + (bh * p->m + m) * p->t + s0, s1 - s0, top[m]);
-    }
-}
-
-/* Phase 2 for positions [c0, c1) of head bh, given the rows' maxima top[M]: weights in place,
-   their sums into sum[M] and the weighted values into acc[M][D] (both zeroed here). */
-static void mix_chunk(const Problem *p, MixFn mix, int64_t bh, int64_t c0, int64_t c1, const float *top,
-                      float *sum, float *acc) {
-    const int64_t end = min64(c1, visible(p, bh));
-    memset(sum, 0, p->m * sizeof *sum);
-    memset(acc, 0, p->m * p->d * sizeof *acc);
-    for (int64_t m = 0; m < p->m; m++) {
-        float *w = p->weights + (bh * p->m + m) * p->t;
-        const int64_t zero_from = top[m] == -INFINITY ? c0 : end > c0 ? end : c0; /* nothing visible: all 0 */
-        memset(w + zero_from, 0, (c1 - zero_from) * sizeof *w);
-    }
-    for (int64_t s0 = c0; s0 < end; s0 += SUB) {
-        const int64_t s1 = min64(s0 + SUB, end);
-        for (int64_t m = 0; m < p->m; m++)
-            if (top[m] != -INFINITY) sum[m] += exp_sum(p->weights + (bh * p->m + m) * p->t + s0, s1 - s0, top[m]);
-        mix(p, bh, s0, s1, acc);
-    }
-}
-
-/* row_max, row_sum and out of head bh from its chunks' partial results, in chunk order */
-static void finish_head(const Problem *p, int64_t bh, int64_t chunks, const float *partial, int64_t stride) {
-    const int64_t m = p->m, d = p->d;
-    for (int64_t r = 0; r < m; r++) {
-        float total = 0.0f, *o = p->out + (bh * m + r) * d;
-        memset(o, 0, d * sizeof *o);
-        for (int64_t c = 0; c < chunks; c++) {
-            const float *part = partial + (bh * chunks + c) * stride;
-            total += part[2 * m + r];
-            for (int64_t x = 0; x < d; x++) o[x] += part[3 * m + r * d + x];
-        }
-        p->row_max[bh * m + r] = partial[bh * chunks * stride + m + r];
-        p->row_sum[bh * m + r] = total;
-    }
-}
-
 /* Returns 0, -1 for a problem outside what this file handles (the wrapper checks first), -2 without memory. */
 int lowbit_partial_attention(const Problem *p) {
-    if (p->batch < 1 || p->heads < 1 || (p->bits != 1 && p->bits != 2) || p->d % 16 || p->d > MAX_D || p->group <= 0 || p->group % 8 ||
-        p->value_groups <= 0 || p->d % p->value_groups || p->d / p->value_groups < 8 || p->threads <= 0 || p->t <= 0)
-        return -1;
-    const int64_t heads = p->batch * p->heads, m = p->m, d = p->d;
-    const int threads = (int)min64(p->threads, heads * p->t * m / MIN_WORK > 1 ? heads * p->t * m / MIN_WORK : 1);
-    /* About TASKS tasks to balance the threads, each a whole number of sub-chunks and key groups;
-       chosen without the thread count, so that the sums do not depend on it. */
-    const int64_t align = p->group % SUB == 0 ? p->group : SUB % p->group == 0 ? SUB : (int64_t)SUB * p->group;
-    const int64_t want = (TASKS + heads - 1) / heads;
-    const int64_t chunk = ((p->t + want - 1) / want + align - 1) / align * align;
-    const int64_t chunks = (p->t + chunk - 1) / chunk, tasks = heads * chunks;
-    const int64_t stride = m * (3 + d); /* per task: its max[M], the head's max[M], sum[M], acc[M][D] */
-    float *partial = malloc(tasks * stride * sizeof(float));
-    int *done = calloc(heads, sizeof(int));
-    if (!partial || !done) {
-        free(partial);
-        free(done);
-        return -2;
-    }
+    if (!valid_problem(p)) return -1;
     ScoreFn score;
     MixFn mix;
     pick(p, &score, &mix);
-
-    /* one barrier, between the phases; each head is finished by whichever of its tasks ends last */
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(dynamic)
-        for (int64_t task = 0; task < tasks; task++) {
-            const int64_t c0 = task % chunks * chunk;
-            score_chunk(p, score, task / chunks, c0, min64(c0 + chunk, p->t), partial + task * stride);
-        }
-#pragma omp for schedule(dynamic) nowait
-        for (int64_t task = 0; task < tasks; task++) {
-            const int64_t bh = task / chunks, c0 = task % chunks * chunk;
-            float *part = partial + task * stride;
-            for (int64_t r = 0; r < m; r++) {
-                part[m + r] = -INFINITY;
-                for (int64_t c = 0; c < chunks; c++) {
-                    const float x = partial[(bh * chunks + c) * stride + r];
-                    part[m + r] = x > part[m + r] ? x : part[m + r];
-                }
-            }
-            mix_chunk(p, mix, bh, c0, min64(c0 + chunk, p->t), part + m, part + 2 * m, part + 3 * m);
-            if (__atomic_add_fetch(&done[bh], 1, __ATOMIC_ACQ_REL) == chunks)
-                finish_head(p, bh, chunks, partial, stride);
-        }
-    }
-    free(partial);
-    free(done);
-    return 0;
+    return run_tasks(p, score, mix);
 }

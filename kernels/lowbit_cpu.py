@@ -156,8 +156,9 @@ def run_kernel(
     visible_len: Tensor,
     excluded_pos: Tensor,
     excluded_valid: Tensor,
+    function: str = "lowbit_partial_attention",
 ) -> Outputs:
-    """Call the C kernel of `lib` (a `load`ed build) on CPU tensors."""
+    """Call the C kernel `function` of `lib` (a `load`ed build) on CPU tensors."""
     _check(rows, kv, visible_len, excluded_pos, excluded_valid)
     if rows.device.type != "cpu":
         raise ValueError(
@@ -200,8 +201,8 @@ def run_kernel(
         kv.k_scale.dtype == torch.bfloat16,
         torch.get_num_threads(),
     )
-    if lib.lowbit_partial_attention(ctypes.byref(problem)) != 0:
-        raise RuntimeError("lowbit_cpu.c rejected a problem that passed the checks")
+    if getattr(lib, function)(ctypes.byref(problem)) != 0:
+        raise RuntimeError(f"{function}: the C kernel rejected a problem that passed the checks")
     return tuple(outputs)
 
 

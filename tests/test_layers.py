@@ -19,6 +19,7 @@ LAYERS = [
         "kernels.dense_cpu",
         "kernels.rank_cpu",
     ],
+    ["kernels.lowbit_int_cpu"],  # the float kernel's checks and ctypes struct
     ["model"],
     ["quantize", "convert"],
     ["disk_tier", "specache_stats"],

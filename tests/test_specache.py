@@ -75,7 +75,12 @@ def reference_ops():
     library = torch.library.Library("specache", "IMPL")
     with warnings.catch_warnings():  # torch warns that this overrides the kernels: it is meant to
         warnings.simplefilter("ignore")
-        for name in ("lowbit_partial_attention", "merge_segments", "top_positions"):
+        for name in (
+            "lowbit_partial_attention",
+            "lowbit_partial_attention_int8",
+            "merge_segments",
+            "top_positions",
+        ):
             library.impl(name, getattr(specache, f"{name}_reference"), "CPU")
     try:
         yield
@@ -123,26 +128,43 @@ def test_sixteen_bit_pairs_stay_close_to_the_fp32_full_cache():
 
 
 @pytest.mark.parametrize(
-    "cache, select",
+    "cache, select, arithmetic",
     [
-        ("specache", "paper"),
-        ("specache", "default"),
-        ("specache", "correct=0.99"),
-        ("specache-nospec", "default"),
-        ("kivi", "paper"),
+        ("specache", "paper", "float"),
+        ("specache", "default", "float"),
+        ("specache", "correct=0.99", "float"),
+        ("specache-nospec", "default", "float"),
+        ("kivi", "paper", "float"),
+        ("specache", "default", "int8"),
+        ("kivi", "paper", "int8"),
     ],
 )
-def test_fast_kernels_generate_what_the_reference_kernels_generate(cache, select):
+def test_fast_kernels_generate_what_the_reference_kernels_generate(
+    cache, select, arithmetic, monkeypatch
+):
     """Every variant (k = 0 is KIVI alone) through the C kernels == through the plain-PyTorch
-    definitions of specache.py's ops."""
-    config = specache_config(
-        select, topk=0 if cache == "kivi" else 8, speculative=cache == "specache", **SMALL
+    definitions of specache.py's ops (head_dim 64: the kernels' vector paths); each step's low-bit
+    pass runs in the configured arithmetic."""
+    passes = []
+    real = specache.lowbit_partial_attention
+    monkeypatch.setattr(
+        specache,
+        "lowbit_partial_attention",
+        lambda *args: passes.append(args[3]) or real(*args),
     )
-    model = tiny_model()
+    config = specache_config(
+        select,
+        topk=0 if cache == "kivi" else 8,
+        speculative=cache == "specache",
+        arithmetic=arithmetic,
+        **SMALL,
+    )
+    model = tiny_model(dim=256, n_head=4, n_local_heads=2)
     prompts = prompts_of(50, 77)
     fast = run_specache(model, prompts, 30, config)
     with reference_ops():
         assert run_specache(model, prompts, 30, config).tokens == fast.tokens
+    assert passes and set(passes) == {arithmetic}
 
 
 def random_guesses(seed):

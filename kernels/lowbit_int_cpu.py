@@ -1,0 +1,95 @@
+"""SpeCache's integer low-bit pass on CPUs: a C kernel for the op
+`specache::lowbit_partial_attention_int8` that specache.py defines (its plain-PyTorch definition,
+`lowbit_partial_attention_int8_reference`, is the spec: both products on int8 operands, rounded
+against each row's largest magnitude per key group and per tile of 64 positions).
+
+The C kernel (kernels/lowbit_int_cpu.c) takes the float pass's inputs and layout
+(kernels/lowbit_cpu.py's `_check` states them) and shares its softmax, tasks and threads
+(kernels/lowbit_driver.h). With AVX512-VNNI and AVX512-VBMI (`vector_build`), codes are widened to
+bytes and multiplied by VPDPBUSD, 64 products an instruction; other builds run plain C loops with
+the same arithmetic. Given the same float inputs, its int8 operands are the twin's own and its
+integer sums exact; the outputs differ from the twin's by float summation order and exp's last
+bits (kernels/simd.h), except that such a difference can move a value weight across a rounding
+boundary: one step of its tile, 1/127 of the tile's largest scaled weight.
+
+`register()` compiles the kernel at first use (kernels/cpu_build.py) and registers it for CPU
+tensors, dispatched in C++ (kernels/cpu_ops.cpp) where that builds, else through ctypes; False
+(one warning) where it cannot build, and the twin serves. SPECACHE_NO_CPU_KERNEL=1 forces that.
+"""
+
+import ctypes
+from functools import lru_cache, partial
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+import specache
+from kernels import cpu_build, cpu_ops, lowbit_cpu
+from specache import LowBitKV
+
+SOURCE = Path(__file__).with_name("lowbit_int_cpu.c")
+FUNCTION = "lowbit_partial_attention_int8"
+
+
+def build(flags: tuple[str, ...] = cpu_build.FLAGS) -> Path:
+    """Compile kernels/lowbit_int_cpu.c with `flags` into the cache (once); the library's path."""
+    return cpu_build.build(SOURCE, flags)
+
+
+def load(path: Path) -> ctypes.CDLL:
+    lib = cpu_build.load(path, FUNCTION, lowbit_cpu._Problem)
+    lib.lowbit_int_vector_build.restype = ctypes.c_int
+    return lib
+
+
+def vector_build(lib: ctypes.CDLL) -> bool:
+    """Whether a loaded build runs the VNNI path (else the plain C loops)."""
+    return lib.lowbit_int_vector_build() == 1
+
+
+def run_kernel(
+    lib: ctypes.CDLL,
+    rows: Tensor,
+    kv: LowBitKV,
+    visible_len: Tensor,
+    excluded_pos: Tensor,
+    excluded_valid: Tensor,
+) -> lowbit_cpu.Outputs:
+    """Call the integer C kernel of `lib` (a `load`ed build) on CPU tensors."""
+    return lowbit_cpu.run_kernel(
+        lib, rows, kv, visible_len, excluded_pos, excluded_valid, function=FUNCTION
+    )
+
+
+def _serve(lib: ctypes.CDLL, *inputs) -> lowbit_cpu.Outputs:
+    """specache::lowbit_partial_attention_int8 for CPU tensors where the C++ dispatch does not
+    build: the C kernel through ctypes for the shapes it takes, the twin otherwise."""
+    rows, bits, group, visible_len, excluded_pos, excluded_valid = inputs[0], *inputs[7:]
+    if lowbit_cpu.takes(rows, bits, group) and inputs[1].shape[2] > 0:
+        kv = LowBitKV(*inputs[1:7], bits, group)
+        return run_kernel(lib, rows, kv, visible_len, excluded_pos, excluded_valid)
+    return specache.lowbit_partial_attention_int8_reference(*inputs)
+
+
+@lru_cache(maxsize=None)
+def register() -> bool:
+    """Build the C kernel (once) and make it serve `specache::lowbit_partial_attention_int8` for
+    CPU tensors; False where it cannot (the twin serves)."""
+    if not cpu_build.enabled():
+        return False
+    lib = cpu_build.build_and_load(
+        SOURCE,
+        FUNCTION,
+        lowbit_cpu._Problem,
+        "the CPU integer kernel is unavailable, its twin serves",
+    )
+    if lib is None:
+        return False
+    lib.lowbit_int_vector_build.restype = ctypes.c_int
+    fallback = specache.lowbit_partial_attention_int8_reference
+    if not cpu_ops.hand_over(FUNCTION, getattr(lib, FUNCTION), fallback):
+        torch.library.register_kernel(
+            "specache::lowbit_partial_attention_int8", "cpu", partial(_serve, lib)
+        )
+    return True
