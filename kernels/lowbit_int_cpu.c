@@ -323,6 +323,186 @@ mix_int_vector(const Problem *p, int64_t bh, int64_t a, int64_t e, float *acc, c
     }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define INT_AVX2 1
+#include <immintrin.h>
+/* AVX2: no byte dot products, so VPMADDUBSW (u8 x s8, adjacent pairs summed to int16) and
+   VPMADDWD (int16 pairs to int32) stand in for VPDPBUSD. Keys: lanes over channels, one token at
+   a time, 8 tokens' sums reduced together; values: lanes over channels, 4 tokens per dword. Code
+   pairs sum to at most 2 * 3 * 127 in int16, and a tile's 16 quads to 16 times that. */
+
+static inline float hmax8(__m256 x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float hsum8(__m256 x) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline __m256 scales8(const uint16_t *x, int bf16) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)x);
+    return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+}
+
+/* 32 int32 (as 4 vectors) rounded against `inverse` into 32 int8, in order */
+static inline __m256i round32(const __m256 *x, float inverse) {
+    __m256i v[4];
+    for (int i = 0; i < 4; i++) v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], _mm256_set1_ps(inverse)));
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* the codes of 32 channels of one token, from its packed bytes, one byte each */
+static inline __m256i widen32(const uint8_t *codes, const int bits) {
+    if (bits == 1) {
+        int32_t word;
+        memcpy(&word, codes, 4);
+        const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(word), _mm256_setr_epi64x(0, 0x0101010101010101LL,
+                                                   0x0202020202020202LL, 0x0303030303030303LL));
+        return _mm256_min_epu8(_mm256_and_si256(spread, _mm256_set1_epi64x((long long)0x8040201008040201ULL)),
+                               _mm256_set1_epi8(1));
+    }
+    long long word;
+    memcpy(&word, codes, 8);
+    const __m256i x = _mm256_shuffle_epi8(_mm256_set1_epi64x(word), _mm256_setr_epi64x(0x0101010100000000LL,
+                                          0x0303030302020202LL, 0x0505050504040404LL, 0x0707070706060606LL));
+    __m256i out = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) /* byte j takes bits 2 (j % 4) of its source byte */
+        out = _mm256_or_si256(out, _mm256_and_si256(_mm256_srli_epi16(x, 2 * i), _mm256_set1_epi32(3 << 8 * i)));
+    return out;
+}
+
+static inline __attribute__((always_inline)) void
+score_int_vector(const Problem *p, int64_t bh, int64_t j, int64_t a, int64_t e, const int bits, const int d) {
+    const int chunks = d / 32, bytes = d * bits / 8;
+    const int64_t at = (bh * ((p->t + p->group - 1) / p->group) + j) * d;
+    int8_t q8[64][MAX_D] __attribute__((aligned(32))); /* pick() sends 64 rows at most */
+    float alpha[64], bias[64];
+    __m256i codes[8][MAX_D / 32];
+    for (int64_t m = 0; m < p->m; m++) {
+        const float *q = p->rows + (bh * p->m + m) * d;
+        __m256 x[MAX_D / 8], top = _mm256_setzero_ps(), dot = _mm256_setzero_ps();
+        for (int c = 0; c < d; c += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + c);
+            x[c / 8] = _mm256_mul_ps(qv, scales8(p->k_scale + at + c, p->bf16));
+            top = _mm256_max_ps(top, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x[c / 8]));
+            dot = _mm256_fmadd_ps(qv, scales8(p->k_zero + at + c, p->bf16), dot);
+        }
+        const float largest = hmax8(top), inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+        alpha[m] = largest / 127.0f;
+        bias[m] = hsum8(dot);
+        for (int c = 0; c < d; c += 32) _mm256_store_si256((__m256i *)(q8[m] + c), round32(x + c / 8, inverse));
+    }
+    for (int64_t t0 = a; t0 < e; t0 += 8) {
+        for (int i = 0; i < 8; i++) /* past e: no codes, a sum that is never stored */
+            for (int c = 0; c < chunks; c++)
+                codes[i][c] = t0 + i < e ? widen32(p->k_packed + (bh * p->t + t0 + i) * bytes + c * 4 * bits, bits)
+                                         : _mm256_setzero_si256();
+        const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)min64(e - t0, 8)),
+                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        for (int64_t m = 0; m < p->m; m++) {
+            __m256i sums[8];
+            for (int i = 0; i < 8; i++) {
+                __m256i pairs = _mm256_setzero_si256();
+                for (int c = 0; c < chunks; c++)
+                    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(codes[i][c], _mm256_load_si256((const __m256i *)(q8[m] + 32 * c))));
+                sums[i] = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+            }
+            const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[0], sums[1]), _mm256_hadd_epi32(sums[2], sums[3]));
+            const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[4], sums[5]), _mm256_hadd_epi32(sums[6], sums[7]));
+            const __m256i total = _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
+            const __m256 score = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(alpha[m])),
+                                               _mm256_set1_ps(bias[m]));
+            _mm256_maskstore_ps(p->weights + (bh * p->m + m) * p->t + t0, lanes, score);
+        }
+    }
+}
+
+/* A tile's value codes for all rows: codes[k][c] holds, for the 8 channels of chunk c, their codes
+   in tokens 4k .. 4k+3 as the 4 bytes of a dword; scale and zero as the VNNI path's. */
+typedef struct {
+    __m256i codes[INT8_TILE / 4 * MAX_D / 8];
+    float scale[16 * INT8_TILE], zero[16 * INT8_TILE];
+} IntTile;
+
+static inline __attribute__((always_inline)) void
+mix_int_vector(const Problem *p, int64_t bh, int64_t a, int64_t e, float *acc, const int bits, const int d) {
+    const int chunks = d / 8, nv = p->value_groups, chunks_per_group = d / 8 / nv, bytes = d * bits / 8;
+    const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m256i channel_bit = _mm256_setr_epi32(0x01010101, 0x02020202, 0x04040404, 0x08080808, 0x10101010,
+                                                  0x20202020, 0x40404040, (int)0x80808080);
+    IntTile tile __attribute__((aligned(32)));
+    int8_t w8[16][INT8_TILE] __attribute__((aligned(32)));
+    float beta[16], zero_sum[16];
+    for (int64_t t0 = a; t0 < e; t0 += INT8_TILE) {
+        const int n = (int)min64(e - t0, INT8_TILE), quads = (n + 3) / 4;
+        const uint8_t *v = p->v_packed + (bh * p->t + t0) * bytes;
+        for (int k = 0; k < quads; k++)
+            for (int c = 0; c < chunks; c++) {
+                __m256i quad = _mm256_setzero_si256();
+                if (bits == 1) { /* byte c of the 4 tokens: lane l keeps bit l of each */
+                    uint32_t word = 0;
+                    for (int i = 0; i < 4 && 4 * k + i < n; i++) word |= (uint32_t)v[(4 * k + i) * bytes + c] << 8 * i;
+                    quad = _mm256_min_epu8(_mm256_and_si256(_mm256_set1_epi32((int)word), channel_bit), _mm256_set1_epi8(1));
+                } else
+                    for (int i = 0; i < 4 && 4 * k + i < n; i++) {
+                        uint16_t word;
+                        memcpy(&word, v + (4 * k + i) * bytes + 2 * c, 2);
+                        const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), _mm256_set1_epi32(3));
+                        quad = _mm256_or_si256(quad, _mm256_slli_epi32(code, 8 * i));
+                    }
+                tile.codes[k * chunks + c] = quad;
+            }
+        const uint16_t *scale = p->v_scale + (bh * p->t + t0) * nv, *zero = p->v_zero + (bh * p->t + t0) * nv;
+        for (int g = 0; g < nv; g++)
+            for (int i = 0; i < INT8_TILE; i++) {
+                tile.scale[g * INT8_TILE + i] = i < n ? scale_to_float(scale[i * nv + g], p->bf16) : 0.0f;
+                tile.zero[g * INT8_TILE + i] = i < n ? scale_to_float(zero[i * nv + g], p->bf16) : 0.0f;
+            }
+        for (int64_t m = 0; m < p->m; m++) {
+            const float *w = p->weights + (bh * p->m + m) * p->t + t0;
+            for (int g = 0; g < nv; g++) {
+                __m256 scaled[INT8_TILE / 8], top = _mm256_setzero_ps(), zs = _mm256_setzero_ps();
+                for (int i = 0; i < INT8_TILE; i += 8) {
+                    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+                    const __m256 wv = _mm256_maskload_ps(w + i, lanes);
+                    scaled[i / 8] = _mm256_mul_ps(wv, _mm256_load_ps(tile.scale + g * INT8_TILE + i));
+                    top = _mm256_max_ps(top, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), scaled[i / 8]));
+                    zs = _mm256_fmadd_ps(wv, _mm256_load_ps(tile.zero + g * INT8_TILE + i), zs);
+                }
+                const float largest = hmax8(top), inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+                beta[g] = largest / 127.0f;
+                zero_sum[g] = hsum8(zs);
+                for (int i = 0; i < INT8_TILE; i += 32)
+                    _mm256_store_si256((__m256i *)(w8[g] + i), round32(scaled + i / 8, inverse));
+            }
+            for (int c0 = 0; c0 < chunks; c0 += 8) { /* 8 chunks of 8 channels: 8 accumulators */
+                __m256i pairs[8];
+                for (int c = 0; c < 8; c++) pairs[c] = _mm256_setzero_si256();
+                for (int k = 0; k < quads; k++)
+                    for (int c = 0; c < 8; c++) {
+                        int32_t quad;
+                        memcpy(&quad, w8[(c0 + c) / chunks_per_group] + 4 * k, 4);
+                        pairs[c] = _mm256_add_epi16(pairs[c], _mm256_maddubs_epi16(tile.codes[k * chunks + c0 + c], _mm256_set1_epi32(quad)));
+                    }
+                for (int c = 0; c < 8; c++) {
+                    const int g = (c0 + c) / chunks_per_group;
+                    const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[c], _mm256_set1_epi16(1)));
+                    float *dst = acc + m * d + 8 * (c0 + c);
+                    const __m256 term = _mm256_add_ps(_mm256_mul_ps(sum, _mm256_set1_ps(beta[g])), _mm256_set1_ps(zero_sum[g]));
+                    _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), term));
+                }
+            }
+        }
+    }
+}
+#endif
+
+#if defined(INT_VECTOR) || defined(INT_AVX2)
 /* One function per common shape, so that the compiler sees d and bits as constants. */
 #define SHAPES(X) X(1, 64) X(2, 64) X(1, 128) X(2, 128)
 #define DEFINE(B, D)                                                                                   \
@@ -339,16 +519,21 @@ static void score_any(const Problem *p, int64_t bh, int64_t j, int64_t a, int64_
 static void mix_any(const Problem *p, int64_t bh, int64_t a, int64_t e, float *acc) {
     mix_int_vector(p, bh, a, e, acc, p->bits, (int)p->d);
 }
-#endif /* INT_VECTOR */
+#endif /* INT_VECTOR || INT_AVX2 */
 
 static void pick(const Problem *p, ScoreFn *score, MixFn *mix) {
     *score = score_int_plain;
     *mix = mix_int_plain;
-#ifndef INT_VECTOR
-    (void)p;
-#else
+#if defined(INT_VECTOR)
     /* as the float pass: whole words of 32 code bits and whole blocks of 64 channels */
     if ((p->d != 64 && p->d != 128 && p->d != 256) || p->group % 16) return;
+#elif defined(INT_AVX2)
+    if (p->d % 64 || p->m > 64) return; /* whole blocks of 64 channels; q8 for 64 rows at most */
+#else
+    (void)p;
+    return;
+#endif
+#if defined(INT_VECTOR) || defined(INT_AVX2)
     *score = score_any;
     *mix = mix_any;
 #define PICK(B, D) if (p->bits == B && p->d == D) *score = score_##B##_##D, *mix = mix_##B##_##D;
@@ -356,9 +541,11 @@ static void pick(const Problem *p, ScoreFn *score, MixFn *mix) {
 #endif
 }
 
-/* 1 where this build has the integer vector path, 0 where it runs the plain C functions */
-int lowbit_int_vector_build(void) {
-#ifdef INT_VECTOR
+/* The path this build runs for the shapes it vectorizes: 2 AVX512-VNNI, 1 AVX2, 0 plain C. */
+int lowbit_int_path(void) {
+#if defined(INT_VECTOR)
+    return 2;
+#elif defined(INT_AVX2)
     return 1;
 #else
     return 0;

@@ -5,9 +5,10 @@ against each row's largest magnitude per key group and per tile of 64 positions)
 
 The C kernel (kernels/lowbit_int_cpu.c) takes the float pass's inputs and layout
 (kernels/lowbit_cpu.py's `_check` states them) and shares its softmax, tasks and threads
-(kernels/lowbit_driver.h). With AVX512-VNNI and AVX512-VBMI (`vector_build`), codes are widened to
-bytes and multiplied by VPDPBUSD, 64 products an instruction; other builds run plain C loops with
-the same arithmetic. Given the same float inputs, its int8 operands are the twin's own and its
+(kernels/lowbit_driver.h). With AVX512-VNNI, VBMI and BITALG, codes are widened to bytes and
+multiplied by VPDPBUSD, 64 products an instruction; with AVX2, by VPMADDUBSW and VPMADDWD; other
+builds run plain C loops with the same arithmetic (`path_of` names a build's path). The build
+takes the best path the machine has (gcc -march=native). Given the same float inputs, its int8 operands are the twin's own and its
 integer sums exact; the outputs differ from the twin's by float summation order and exp's last
 bits (kernels/simd.h), except that such a difference can move a value weight across a rounding
 boundary: one step of its tile, 1/127 of the tile's largest scaled weight.
@@ -37,15 +38,18 @@ def build(flags: tuple[str, ...] = cpu_build.FLAGS) -> Path:
     return cpu_build.build(SOURCE, flags)
 
 
+PATHS = ("plain C", "AVX2", "AVX512-VNNI")
+
+
 def load(path: Path) -> ctypes.CDLL:
     lib = cpu_build.load(path, FUNCTION, lowbit_cpu._Problem)
-    lib.lowbit_int_vector_build.restype = ctypes.c_int
+    lib.lowbit_int_path.restype = ctypes.c_int
     return lib
 
 
-def vector_build(lib: ctypes.CDLL) -> bool:
-    """Whether a loaded build runs the VNNI path (else the plain C loops)."""
-    return lib.lowbit_int_vector_build() == 1
+def path_of(lib: ctypes.CDLL) -> str:
+    """The vector path a loaded build runs where the shape allows it (one of PATHS)."""
+    return PATHS[lib.lowbit_int_path()]
 
 
 def run_kernel(
@@ -86,7 +90,6 @@ def register() -> bool:
     )
     if lib is None:
         return False
-    lib.lowbit_int_vector_build.restype = ctypes.c_int
     fallback = specache.lowbit_partial_attention_int8_reference
     if not cpu_ops.hand_over(FUNCTION, getattr(lib, FUNCTION), fallback):
         torch.library.register_kernel(

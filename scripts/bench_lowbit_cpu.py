@@ -1,18 +1,21 @@
-"""The low-bit segment of SpeCache's attention on CPU: the C kernel against specache.py's plain
-PyTorch definition of the op.
+"""SpeCache's low-bit pass on CPU, as a decode step runs it: the float and the integer C kernels
+against the DRAM floor of the bytes they read.
 
-    python scripts/bench_lowbit_cpu.py [--lengths 2048 16384 65536] [--repeats 20] [--threads N]
+    python scripts/bench_lowbit_cpu.py [--lengths 4096 16384 32768] [--layers 30] [--repeats 5]
 
-Per call (one layer, batch 1, every position visible, 64 excluded per KV head), ms of:
-- reference: `specache.lowbit_partial_attention_reference` (dequantize, matmul, masked exp), what
-  the op runs where no kernel is registered;
-- kernel: the op once kernels/lowbit_cpu.py has registered the C kernel, and its GB/s over the
-  packed bytes it reads (codes, scales and zeros of keys and values).
+Per length, --layers separate low-bit copies (one per layer, as a step reads them: together far
+larger than the caches, so the bytes come from DRAM) go through each kernel in turn, and a row
+reports per layer (batch 1, every position visible, 64 excluded per KV head):
+- float ms: `specache::lowbit_partial_attention` on kernels/lowbit_cpu.c (nibble lookups);
+- int8 ms: `specache::lowbit_partial_attention_int8` on kernels/lowbit_int_cpu.c (VPDPBUSD where
+  the CPU has AVX512-VNNI, VPMADDUBSW with AVX2, else plain C);
+- floor ms: the bytes the pass must read (codes, scales and zeros of keys and values) at the read
+  bandwidth measured before and after the row (their mean, in the table), and each kernel's time
+  over it; the weights it writes (M x T float32, read again by the ranking) are not counted.
 Shapes: SmolLM2-135M (3 KV heads, 6 rows = 3 query heads x 2 new rows, head_dim 64) and
 Llama-3-8B (8 KV heads, 8 rows = 4 x 2, head_dim 128); group 64, fp16 scales, 1 and 2 bits. Each
-method is checked against the reference before it is timed; times are the fastest of --repeats
-calls (the reference gets a tenth as many), on --threads threads (torch's count by default). The
-kernel reads few bytes per flop, so its GB/s shows how far it is from memory bound, not a limit.
+kernel is checked against its plain-PyTorch definition at the row's length first; times are the
+fastest of --repeats passes over the layers, on --threads threads (torch's count by default).
 """
 
 import argparse
@@ -23,16 +26,23 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernels import lowbit_cpu  # noqa: E402
-from specache import LowBitKV, quantize_keys, quantize_values  # noqa: E402
-from specache import lowbit_partial_attention_reference as reference  # noqa: E402
+from bench_peers import measure_read_bandwidth  # noqa: E402
+from kernels import lowbit_cpu, lowbit_int_cpu  # noqa: E402
+from specache import (  # noqa: E402
+    LowBitKV,
+    lowbit_partial_attention_int8_reference,
+    lowbit_partial_attention_reference,
+    quantize_keys,
+    quantize_values,
+)
 
 SHAPES = {"SmolLM2": (3, 6, 64), "Llama-3-8B": (8, 8, 128)}  # KV heads, rows per KV head, head_dim
 GROUP, EXCLUDED = 64, 64
 
 
-def make_inputs(t: int, n_kv: int, m: int, d: int, bits: int):
-    g = torch.Generator().manual_seed(t)
+def make_inputs(t: int, n_kv: int, m: int, d: int, bits: int, seed: int = 0):
+    """One layer's op arguments: rows, the low-bit copy of random K, V, and the exclusions."""
+    g = torch.Generator().manual_seed(t + seed)
     k = torch.randn(1, n_kv, t, d, generator=g) * torch.linspace(0.2, 4, d)
     v = torch.randn(1, n_kv, t, d, generator=g)
     kv = LowBitKV(
@@ -56,20 +66,23 @@ def make_inputs(t: int, n_kv: int, m: int, d: int, bits: int):
     )
 
 
-def time_call(fn, *args, repeats: int) -> float:
-    """The fastest of `repeats` calls: on a shared machine the others measure the neighbours too."""
-    fn(*args)
+def time_layers(op, layers: list, repeats: int) -> float:
+    """Seconds per layer: the fastest of `repeats` passes over every layer (on a shared machine the
+    slower passes measure the neighbours too)."""
+    for inputs in layers:
+        op(*inputs)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn(*args)
+        for inputs in layers:
+            op(*inputs)
         best = min(best, time.perf_counter() - t0)
-    return best
+    return best / len(layers)
 
 
 def check(outputs, expected, tolerance: float) -> None:
-    """Each output within `tolerance` of the reference's largest magnitude (a row's out sums T
-    terms)."""
+    """Each output within `tolerance` of the definition's largest magnitude (a row's out sums T
+    terms); the integer kernel's out may differ by a weight's rounding step, so it gets 1e-3."""
     for got, want in zip(outputs, expected):
         finite = want.isfinite()
         scale = want[finite].abs().max().item() if finite.any() else 1.0
@@ -80,35 +93,53 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 16384, 65536])
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
+    parser.add_argument("--layers", type=int, default=30, help="copies read per pass (default 30)")
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
-    if not lowbit_cpu.register():
-        raise SystemExit("the C kernel did not build (see the warning above)")
-    kernel = torch.ops.specache.lowbit_partial_attention
-    print(
-        f"\nbatch 1, group {GROUP}, fp16 scales, {EXCLUDED} excluded per KV head, "
-        f"{torch.get_num_threads()} threads\n"
+    if not (lowbit_cpu.register() and lowbit_int_cpu.register()):
+        raise SystemExit("a C kernel did not build (see the warning above)")
+    path = lowbit_int_cpu.path_of(lowbit_int_cpu.load(lowbit_int_cpu.build()))
+    kernels = (
+        (torch.ops.specache.lowbit_partial_attention, lowbit_partial_attention_reference, 1e-5),
+        (
+            torch.ops.specache.lowbit_partial_attention_int8,
+            lowbit_partial_attention_int8_reference,
+            1e-3,
+        ),
     )
-    print("| shape | bits | T | reference ms | kernel ms | kernel GB/s | vs reference |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        f"\nbatch 1, group {GROUP}, fp16 scales, {EXCLUDED} excluded per KV head, {args.layers} "
+        f"layers a pass, {torch.get_num_threads()} threads, integer kernel: "
+        f"{path}\n"
+    )
+    print(
+        "| shape | bits | T | read GB/s | floor ms | float ms | int8 ms | int8 over float | "
+        "float over floor | int8 over floor | int8 GB/s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, (n_kv, m, d) in SHAPES.items():
         for bits in (1, 2):
             for t in args.lengths:
-                inputs = make_inputs(t, n_kv, m, d, bits)
-                expected = reference(*inputs)
-                check(kernel(*inputs), expected, 1e-5)
-                times = [
-                    time_call(reference, *inputs, repeats=max(1, args.repeats // 10)),
-                    time_call(kernel, *inputs, repeats=args.repeats),
+                first = make_inputs(t, n_kv, m, d, bits)
+                for op, definition, tolerance in kernels:
+                    check(op(*first), definition(*first), tolerance)
+                layers = [first] + [
+                    make_inputs(t, n_kv, m, d, bits, seed) for seed in range(1, args.layers)
                 ]
-                packed_bytes = sum(x.nbytes for x in inputs[1:7])
+                before = measure_read_bandwidth()
+                times = [time_layers(op, layers, args.repeats) for op, _, _ in kernels]
+                bandwidth = (before + measure_read_bandwidth()) / 2
+                read = sum(x.nbytes for x in first[1:7])
+                floor = read / bandwidth / 1e9
                 print(
-                    f"| {name} | {bits} | {t} | {1e3 * times[0]:.2f} | {1e3 * times[1]:.3f} | "
-                    f"{packed_bytes / times[1] / 1e9:.1f} | {times[0] / times[1]:.0f}x |",
+                    f"| {name} | {bits} | {t} | {bandwidth:.0f} | {1e3 * floor:.3f} | "
+                    f"{1e3 * times[0]:.3f} | {1e3 * times[1]:.3f} | {times[0] / times[1]:.2f}x | "
+                    f"{times[0] / floor:.1f}x | {times[1] / floor:.1f}x | "
+                    f"{read / times[1] / 1e9:.1f} |",
                     flush=True,
                 )
 

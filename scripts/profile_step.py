@@ -48,7 +48,10 @@ PARTS = [
         ("specache::quantized_linear", "aten::_weight_int8pack_mm", "specache::int4_matmul"),
     ),
     ("full-cache attention", ("specache::dense_decode_attention",)),
-    ("low-bit read", ("specache::lowbit_partial_attention",)),
+    (
+        "low-bit read",
+        ("specache::lowbit_partial_attention", "specache::lowbit_partial_attention_int8"),
+    ),
     ("16-bit pairs and merge", ("specache::merge_segments", "aten::bmm")),
     ("choice and top-k", ("aten::topk", "specache::top_positions")),
     ("gather", ("aten::gather", "aten::index", "aten::index_select")),

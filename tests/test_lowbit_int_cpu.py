@@ -52,7 +52,18 @@ def portable():
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("-march=x86-64 needs an x86 machine")
     lib = lowbit_int_cpu.load(lowbit_int_cpu.build(cpu_build.PORTABLE_FLAGS))
-    assert not lowbit_int_cpu.vector_build(lib)
+    assert lowbit_int_cpu.path_of(lib) == "plain C"
+    return lib
+
+
+@pytest.fixture(scope="module")
+def avx2(portable):
+    """The AVX2 path, as machines with AVX2 but not AVX512-VNNI build it."""
+    flags = ("-O3", "-march=haswell", "-fopenmp", "-shared", "-fPIC")
+    if "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX2")
+    lib = lowbit_int_cpu.load(lowbit_int_cpu.build(flags))
+    assert lowbit_int_cpu.path_of(lib) == "AVX2"
     return lib
 
 
@@ -103,12 +114,14 @@ def test_kernel_matches_its_twin(native, bits, d, scale_dtype, group, m):
         dict(d=256, group=64, m=3),
         dict(d=48, group=24),
         dict(d=64, group=8, bits=2),
+        dict(d=128, group=16, bits=1, m=12),
+        dict(d=64, group=64, bits=2, m=1, scale_dtype=torch.bfloat16),
     ],
 )
-def test_plain_build_and_odd_shapes_match_the_twin(native, portable, shape):
+def test_avx2_plain_builds_and_odd_shapes_match_the_twin(native, portable, avx2, shape):
     inputs = problem(t=300, **shape)
     want = twin(*inputs)
-    for lib in (native, portable):
+    for lib in (native, portable, avx2):
         assert_matches_twin(lowbit_int_cpu.run_kernel(lib, *inputs), want, inputs[1])
 
 
