@@ -8,10 +8,11 @@ The C kernel (kernels/lowbit_int_cpu.c) takes the float pass's inputs and layout
 (kernels/lowbit_driver.h). With AVX512-VNNI, VBMI and BITALG, codes are widened to bytes and
 multiplied by VPDPBUSD, 64 products an instruction; with AVX2, by VPMADDUBSW and VPMADDWD; other
 builds run plain C loops with the same arithmetic (`path_of` names a build's path). The build
-takes the best path the machine has (gcc -march=native). Given the same float inputs, its int8 operands are the twin's own and its
-integer sums exact; the outputs differ from the twin's by float summation order and exp's last
-bits (kernels/simd.h), except that such a difference can move a value weight across a rounding
-boundary: one step of its tile, 1/127 of the tile's largest scaled weight.
+takes the best path the machine has (gcc -march=native). Given the same float inputs, its int8
+operands are the twin's own and its integer sums exact; the outputs differ from the twin's by
+float summation order and exp's last bits (kernels/simd.h), except that such a difference can move
+a value weight across a rounding boundary: one step of its tile, 1/127 of the tile's largest
+scaled weight.
 
 `register()` compiles the kernel at first use (kernels/cpu_build.py) and registers it for CPU
 tensors, dispatched in C++ (kernels/cpu_ops.cpp) where that builds, else through ctypes; False
