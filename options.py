@@ -301,6 +301,8 @@ def cache_summary(stats: dict) -> str:
             f"({stats['fast_tier_bytes_sliding_window_layers'] / 1e6:.1f} MB)"
         )
     line += f"; selection: {stats['select']}"
+    if stats.get("arithmetic", "float") != "float":
+        line += f", {stats['arithmetic']} low-bit pass"
     if stats.get("speculative_match_rate") is not None:
         line += f", speculative token right {100 * stats['speculative_match_rate']:.0f}% of steps"
     if stats.get("prefetch_discarded_share") is not None:

@@ -233,6 +233,7 @@ def cache_stats(cache, steps: int) -> dict:
         "residual": method.residual,
         "topk": layer.k_spec + layer.k_real,
         "select": select,
+        "arithmetic": method.arithmetic,
         "prefetched_pairs": layer.k_spec,
         "pairs_chosen_in_step": layer.k_real,
         "sinks": layer.n_sinks,

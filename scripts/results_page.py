@@ -143,6 +143,49 @@ PEER = [
         "rows through each Linear.",
     ),
 ]
+INTEGER = [
+    (
+        "int8/needle",
+        "SmolLM2-135M: needle with the integer pass",
+        "scripts/needle.py --methods specache-1bit specache-1bit:int8 ...",
+        "Our selection at 1 and 2 bits, the low-bit pass in float and in 8-bit integers "
+        "(`:int8`), same prompts.",
+    ),
+    (
+        "int8/ruler",
+        "SmolLM2-135M: RULER with the integer pass",
+        "scripts/ruler.py --lengths 2048 4096 --samples 2 --methods ...",
+        "The same methods, two samples per task, compiled.",
+    ),
+    (
+        "int8/gemma3/needle",
+        "Gemma-3-270M: needle with the integer pass",
+        "scripts/needle.py --checkpoint ... --lengths 8000 16000 ...",
+        "Our selection at 1 bit, float against integer pass, 8k and 16k.",
+    ),
+    (
+        "int8/kernel",
+        "The low-bit pass alone against its DRAM floor",
+        "scripts/bench_lowbit_cpu.py",
+        "Per layer of a step's worth of layers (from DRAM): the float kernel (nibble lookups) and "
+        "the integer one (VPDPBUSD), and the floor: the bytes the pass reads at the read bandwidth "
+        "measured around the row.",
+    ),
+    (
+        "int8/bench",
+        "SmolLM2-135M: decode speed with the integer pass",
+        "scripts/bench.py --checkpoint ... --methods full full-16bit specache-1bit "
+        "specache-1bit:int8 ...",
+        "Int4 weights, each method's whole step compiled, beside llama.cpp on the same prompt, one "
+        "run; 'vs fastest full' is over the faster of our two full caches.",
+    ),
+    (
+        "int8/profile",
+        "SmolLM2-135M: where a step's time goes, with the integer pass",
+        "scripts/profile_step.py --lengths ...",
+        "The parts of a compiled step, as in the peer section above.",
+    ),
+]
 # Measured before the default selection changed: their `specache-Nbit` rows are the paper's rule.
 SECTIONS = [
     (
@@ -295,6 +338,12 @@ def page() -> str:
         "## Against the CPU peer\n\nllama.cpp beside our caches on the same prompt and GGUF.\n"
     )
     parts += [section(*entry, level=3) for entry in PEER]
+    parts.append(
+        "## The integer pass\n\nThe low-bit pass with both products on 8-bit integers "
+        "(`--specache_arithmetic int8`, docs/method.md#the-integer-pass-ours-an-option) against "
+        "the float pass: accuracy, the kernel alone, and decode.\n"
+    )
+    parts += [section(*entry, level=3) for entry in INTEGER]
     parts.append(
         "## Before the selection changed\n\nThe sections below were measured before the default "
         "selection changed: their `specache-1bit` and `specache-2bit` rows are the paper's rule, "
