@@ -3,15 +3,16 @@
    lowbit_partial_attention_int8_reference is the spec; kernels/lowbit_int_cpu.py builds this file
    at first use and states the contract.
 
-   - Keys: per row and key group j, q8 = round(q * s_j / alpha) with alpha = max |q * s_j| / 127,
-     and score = alpha * (q8 . code) + q . z_j.
-   - Values: per row, tile of 64 positions and value group g, w8 = round(w * s_g / beta) with
-     beta = max |w * s_g| / 127, and out += beta * (w8 . code) + w . z_g.
-   The roundings use the twin's division and round-half-to-even, so q8 and w8 are the twin's own
-   given the same float inputs, and the integer sums are exact: only float sums (the biases, the
-   tiles' terms) and exp (kernels/simd.h's polynomial) differ from the twin, in their last bits.
+   - Keys: per row and key group j, with top = max |q * s_j|, q8 = round(q * s_j * (127 / top)),
+     and score = (top / 127) * (q8 . code) + q . z_j.
+   - Values: per row, tile of 64 positions and value group g, with top = max |w * s_g|,
+     w8 = round(w * s_g * (127 / top)), and out += (top / 127) * (w8 . code) + w . z_g.
+   The roundings use the twin's operations (one true division for 127 / top, round half to even),
+   so q8 and w8 are the twin's own given the same float inputs, and the integer sums are exact:
+   only float sums (the biases, the tiles' terms) and exp (kernels/simd.h's polynomial) differ from
+   the twin, in their last bits.
 
-   With AVX512-VNNI and AVX512-VBMI (Ice Lake, Zen 4 and later), 16 lanes of 4 bytes each go per
+   With AVX512-VNNI, VBMI and BITALG (Ice Lake, Zen 4 and later), 16 lanes of 4 bytes each go per
    VPDPBUSD, codes as the unsigned operand and q8 or w8 as the signed one:
    - keys, lanes over tokens: the transposed code words of 16 tokens (words[w][i]) go through a
      multishift that widens 4 channels of each token to one byte each, shared by every row; then
@@ -19,8 +20,9 @@
    - values, lanes over channels: a tile's codes are widened once, for all rows, to a dword per
      channel holding its codes in 4 consecutive tokens; one VPDPBUSD per row then adds 4 tokens'
      products for 16 channels.
-   Other builds and shapes run the plain C functions, the same arithmetic one product at a time.
-   The softmax, the tasks and the threads are kernels/lowbit_driver.h's, as for the float pass. */
+   With AVX2 alone, VPMADDUBSW and VPMADDWD do the same work in 8 lanes (see there). Other builds
+   and shapes run the plain C functions, the same arithmetic one product at a time. The softmax,
+   the tasks and the threads are kernels/lowbit_driver.h's, as for the float pass. */
 #include "lowbit_driver.h"
 
 #define INT8_TILE 64 /* specache.INT8_BLOCK: positions whose weights round against one largest */
