@@ -247,6 +247,19 @@ widen_tile(const Problem *p, IntTile *tile, int64_t bh, int64_t t0, int n, const
         }
         return;
     }
+    if (nv == 2 && n == INT8_TILE) { /* 16 tokens' two groups in two registers: split even and odd */
+        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+        for (int i = 0; i < INT8_TILE; i += 16) {
+            const __m512 s0 = scales16(scale + 2 * i, p->bf16), s1 = scales16(scale + 2 * i + 16, p->bf16);
+            const __m512 z0 = scales16(zero + 2 * i, p->bf16), z1 = scales16(zero + 2 * i + 16, p->bf16);
+            _mm512_store_ps(tile->scale + i, _mm512_permutex2var_ps(s0, even, s1));
+            _mm512_store_ps(tile->scale + INT8_TILE + i, _mm512_permutex2var_ps(s0, odd, s1));
+            _mm512_store_ps(tile->zero + i, _mm512_permutex2var_ps(z0, even, z1));
+            _mm512_store_ps(tile->zero + INT8_TILE + i, _mm512_permutex2var_ps(z0, odd, z1));
+        }
+        return;
+    }
     for (int g = 0; g < nv; g++)
         for (int i = 0; i < INT8_TILE; i++) {
             tile->scale[g * INT8_TILE + i] = i < n ? scale_vector(scale[i * nv + g], p->bf16) : 0.0f;
@@ -291,12 +304,16 @@ mix_int_rows(const Problem *p, const IntTile *tile, int64_t bh, int64_t t0, int 
             for (int c = 0; c < 4; c++) codes[c] = tile->codes[k * (d / 16) + c0 + c];
 #pragma GCC unroll 4
             for (int r = 0; r < rows; r++) {
-                int32_t quad[4];
-                for (int c = 0; c < 4; c++) memcpy(quad + c, w8[r][group[uniform ? 0 : c]] + 4 * k, 4);
-                const __m512i first = _mm512_set1_epi32(quad[0]);
-#pragma GCC unroll 4
-                for (int c = 0; c < 4; c++)
-                    acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], codes[c], uniform ? first : _mm512_set1_epi32(quad[c]));
+                int32_t quad;
+                if (uniform) { /* one broadcast for the 4 chunks */
+                    memcpy(&quad, w8[r][group[0]] + 4 * k, 4);
+                    const __m512i weights = _mm512_set1_epi32(quad);
+                    for (int c = 0; c < 4; c++) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], codes[c], weights);
+                } else
+                    for (int c = 0; c < 4; c++) {
+                        memcpy(&quad, w8[r][group[c]] + 4 * k, 4);
+                        acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], codes[c], _mm512_set1_epi32(quad));
+                    }
             }
         }
         for (int r = 0; r < rows; r++)

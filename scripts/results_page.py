@@ -351,7 +351,7 @@ def page() -> str:
         "everywhere (SmolLM2 at 1 and 2 bits, Gemma-3 at 8k-16k); RULER the same at 2k and at 2 "
         "bits, but 5 points lower at 4k and 1 bit (one sample of multikey_1 and cwe's 5%), more "
         "than the 2 points the default may lose, so the float pass stays the default. The kernel "
-        "runs 1.2-2.3x faster than the float one, still 7-22x its DRAM floor (it is bound by "
+        "runs 1.4-1.7x faster than the float one, still 6-10x its DRAM floor (it is bound by "
         "arithmetic); a compiled step gains 5-16% at 4k-32k (at 1k the profile shows none: the "
         "bench's 1k row decoded other tokens, with fewer prefetches discarded), and with it "
         "SpeCache passes our full cache at 32k (1.07x), not before. At batch 8 it did not help "
