@@ -271,22 +271,7 @@ mix_vector(const Problem *p, int64_t bh, int64_t a, int64_t e, float *acc, const
     }
 }
 
-/* One function per common shape, so that the compiler sees d and bits as constants. */
-#define SHAPES(X) X(1, 64) X(2, 64) X(1, 128) X(2, 128)
-#define DEFINE(B, D)                                                                                   \
-    static void score_##B##_##D(const Problem *p, int64_t bh, int64_t j, int64_t a, int64_t e) {     \
-        score_vector(p, bh, j, a, e, B, D);                                                            \
-    }                                                                                                  \
-    static void mix_##B##_##D(const Problem *p, int64_t bh, int64_t a, int64_t e, float *acc) {      \
-        mix_vector(p, bh, a, e, acc, B, D);                                                            \
-    }
-SHAPES(DEFINE)
-static void score_any(const Problem *p, int64_t bh, int64_t j, int64_t a, int64_t e) {
-    score_vector(p, bh, j, a, e, p->bits, (int)p->d);
-}
-static void mix_any(const Problem *p, int64_t bh, int64_t a, int64_t e, float *acc) {
-    mix_vector(p, bh, a, e, acc, p->bits, (int)p->d);
-}
+VECTOR_SHAPES()
 #endif /* VECTOR */
 
 /* ------------------------------------------------------------------------------------------
@@ -302,10 +287,7 @@ static void pick(const Problem *p, ScoreFn *score, MixFn *mix) {
     /* a power-of-two number of code words per token and whole blocks of 64 channels; the value
        group, min(group, d), is then a multiple of 16 channels too */
     if ((p->d != 64 && p->d != 128 && p->d != 256) || p->group % 16) return;
-    *score = score_any;
-    *mix = mix_any;
-#define PICK(B, D) if (p->bits == B && p->d == D) *score = score_##B##_##D, *mix = mix_##B##_##D;
-    SHAPES(PICK)
+    PICK_SHAPE(p, score, mix);
 #endif
 }
 /* Returns 0, -1 for a problem outside what this file handles (the wrapper checks first), -2 without memory. */

@@ -28,6 +28,7 @@ SPECACHE_NO_CPU_KERNEL=1 forces that. `run_kernel(load(build(flags)), ...)` runs
 import ctypes
 from functools import lru_cache, partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -219,34 +220,40 @@ def takes(rows: Tensor, bits: int, group: int) -> bool:
     )
 
 
-def _serve(lib: ctypes.CDLL, *inputs) -> Outputs:
-    """specache::lowbit_partial_attention for CPU tensors (its arguments, in its order) where the
-    C++ dispatch does not build: the C kernel through ctypes for the shapes it takes, the
-    reference otherwise."""
+def _serve(lib: ctypes.CDLL, function: str, reference: Callable, *inputs) -> Outputs:
+    """specache::`function` for CPU tensors (its arguments, in its order) where the C++ dispatch
+    does not build: the C kernel `function` through ctypes for the shapes it takes, `reference`
+    otherwise."""
     rows, bits, group, visible_len, excluded_pos, excluded_valid = inputs[0], *inputs[7:]
     if takes(rows, bits, group) and inputs[1].shape[2] > 0:
         kv = LowBitKV(*inputs[1:7], bits, group)
-        return run_kernel(lib, rows, kv, visible_len, excluded_pos, excluded_valid)
-    return specache.lowbit_partial_attention_reference(*inputs)
+        return run_kernel(lib, rows, kv, visible_len, excluded_pos, excluded_valid, function)
+    return reference(*inputs)
+
+
+def register_build(source: Path, function: str, reference: Callable, unavailable: str) -> bool:
+    """Build the C file `source` (once) and make its `function` serve the op specache::`function`
+    for CPU tensors (the float and the integer low-bit pass share inputs and layout); False, with
+    one warning saying `unavailable`, where it cannot (`reference` serves)."""
+    if not cpu_build.enabled():
+        return False
+    lib = cpu_build.build_and_load(source, function, _Problem, unavailable)
+    if lib is None:
+        return False
+    if not cpu_ops.hand_over(function, getattr(lib, function), reference):
+        torch.library.register_kernel(
+            f"specache::{function}", "cpu", partial(_serve, lib, function, reference)
+        )
+    return True
 
 
 @lru_cache(maxsize=None)
 def register() -> bool:
     """Build the C kernel (once) and make it serve `specache::lowbit_partial_attention` for CPU
     tensors; False where it cannot (the reference serves)."""
-    if not cpu_build.enabled():
-        return False
-    lib = cpu_build.build_and_load(
+    return register_build(
         SOURCE,
         "lowbit_partial_attention",
-        _Problem,
+        specache.lowbit_partial_attention_reference,
         "the CPU low-bit kernel is unavailable, the reference serves",
     )
-    if lib is None:
-        return False
-    fallback = specache.lowbit_partial_attention_reference
-    if not cpu_ops.hand_over("lowbit_partial_attention", lib.lowbit_partial_attention, fallback):
-        torch.library.register_kernel(
-            "specache::lowbit_partial_attention", "cpu", partial(_serve, lib)
-        )
-    return True

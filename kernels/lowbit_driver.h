@@ -216,4 +216,36 @@ static int run_tasks(const Problem *p, ScoreFn score, MixFn mix) {
     return 0;
 }
 
+/* One function per common shape, so that the compiler sees d and bits as constants. A kernel that
+   defines score_vector(p, bh, j, a, e, bits, d) and mix_vector(p, bh, a, e, acc, bits, d) writes
+   VECTOR_SHAPES() after them, for score_B_D, mix_B_D and the general score_any, mix_any; then
+   PICK_SHAPE(p, score, mix), in a shape its vector functions take, chooses among them. */
+#define SHAPES(X) X(1, 64) X(2, 64) X(1, 128) X(2, 128)
+#define DEFINE_SHAPE(B, D)                                                                             \
+    static void score_##B##_##D(const Problem *p, int64_t bh, int64_t j, int64_t a, int64_t e) {     \
+        score_vector(p, bh, j, a, e, B, D);                                                            \
+    }                                                                                                  \
+    static void mix_##B##_##D(const Problem *p, int64_t bh, int64_t a, int64_t e, float *acc) {      \
+        mix_vector(p, bh, a, e, acc, B, D);                                                            \
+    }
+#define VECTOR_SHAPES()                                                                                \
+    SHAPES(DEFINE_SHAPE)                                                                               \
+    static void score_any(const Problem *p, int64_t bh, int64_t j, int64_t a, int64_t e) {           \
+        score_vector(p, bh, j, a, e, p->bits, (int)p->d);                                              \
+    }                                                                                                  \
+    static void mix_any(const Problem *p, int64_t bh, int64_t a, int64_t e, float *acc) {            \
+        mix_vector(p, bh, a, e, acc, p->bits, (int)p->d);                                              \
+    }
+#define PICK_ONE(B, D)                                                                                 \
+    if (p_->bits == B && p_->d == D) *score_ = score_##B##_##D, *mix_ = mix_##B##_##D;
+#define PICK_SHAPE(p, score, mix)                                                                      \
+    do {                                                                                               \
+        const Problem *p_ = (p);                                                                       \
+        ScoreFn *score_ = (score);                                                                     \
+        MixFn *mix_ = (mix);                                                                           \
+        *score_ = score_any;                                                                           \
+        *mix_ = mix_any;                                                                               \
+        SHAPES(PICK_ONE)                                                                               \
+    } while (0)
+
 #endif

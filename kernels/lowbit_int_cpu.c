@@ -153,7 +153,7 @@ dot_rows(const uint32_t (*words)[SUB], int64_t n, const int32_t (*q8)[MAX_D / 4]
 }
 
 static inline __attribute__((always_inline)) void
-score_int_vector(const Problem *p, int64_t bh, int64_t j, int64_t a, int64_t e, const int bits, const int d) {
+score_vector(const Problem *p, int64_t bh, int64_t j, int64_t a, int64_t e, const int bits, const int d) {
     const int n_words = d * bits / 32;
     const int64_t at = (bh * ((p->t + p->group - 1) / p->group) + j) * d;
     uint32_t words[MAX_D * 2 / 32][SUB] __attribute__((aligned(64)));
@@ -327,7 +327,7 @@ mix_int_rows(const Problem *p, const IntTile *tile, int64_t bh, int64_t t0, int 
 }
 
 static inline __attribute__((always_inline)) void
-mix_int_vector(const Problem *p, int64_t bh, int64_t a, int64_t e, float *acc, const int bits, const int d) {
+mix_vector(const Problem *p, int64_t bh, int64_t a, int64_t e, float *acc, const int bits, const int d) {
     IntTile tile __attribute__((aligned(64)));
     for (int64_t t0 = a; t0 < e; t0 += INT8_TILE) {
         const int n = (int)min64(e - t0, INT8_TILE);
@@ -396,7 +396,7 @@ static inline __m256i widen32(const uint8_t *codes, const int bits) {
 }
 
 static inline __attribute__((always_inline)) void
-score_int_vector(const Problem *p, int64_t bh, int64_t j, int64_t a, int64_t e, const int bits, const int d) {
+score_vector(const Problem *p, int64_t bh, int64_t j, int64_t a, int64_t e, const int bits, const int d) {
     const int chunks = d / 32, bytes = d * bits / 8;
     const int64_t at = (bh * ((p->t + p->group - 1) / p->group) + j) * d;
     int8_t q8[64][MAX_D] __attribute__((aligned(32))); /* pick() sends 64 rows at most */
@@ -449,7 +449,7 @@ typedef struct {
 } IntTile;
 
 static inline __attribute__((always_inline)) void
-mix_int_vector(const Problem *p, int64_t bh, int64_t a, int64_t e, float *acc, const int bits, const int d) {
+mix_vector(const Problem *p, int64_t bh, int64_t a, int64_t e, float *acc, const int bits, const int d) {
     const int chunks = d / 8, nv = p->value_groups, chunks_per_group = d / 8 / nv, bytes = d * bits / 8;
     const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
     const __m256i channel_bit = _mm256_setr_epi32(0x01010101, 0x02020202, 0x04040404, 0x08080808, 0x10101010,
@@ -522,22 +522,7 @@ mix_int_vector(const Problem *p, int64_t bh, int64_t a, int64_t e, float *acc, c
 #endif
 
 #if defined(INT_VECTOR) || defined(INT_AVX2)
-/* One function per common shape, so that the compiler sees d and bits as constants. */
-#define SHAPES(X) X(1, 64) X(2, 64) X(1, 128) X(2, 128)
-#define DEFINE(B, D)                                                                                   \
-    static void score_##B##_##D(const Problem *p, int64_t bh, int64_t j, int64_t a, int64_t e) {     \
-        score_int_vector(p, bh, j, a, e, B, D);                                                        \
-    }                                                                                                  \
-    static void mix_##B##_##D(const Problem *p, int64_t bh, int64_t a, int64_t e, float *acc) {      \
-        mix_int_vector(p, bh, a, e, acc, B, D);                                                        \
-    }
-SHAPES(DEFINE)
-static void score_any(const Problem *p, int64_t bh, int64_t j, int64_t a, int64_t e) {
-    score_int_vector(p, bh, j, a, e, p->bits, (int)p->d);
-}
-static void mix_any(const Problem *p, int64_t bh, int64_t a, int64_t e, float *acc) {
-    mix_int_vector(p, bh, a, e, acc, p->bits, (int)p->d);
-}
+VECTOR_SHAPES()
 #endif /* INT_VECTOR || INT_AVX2 */
 
 static void pick(const Problem *p, ScoreFn *score, MixFn *mix) {
@@ -553,10 +538,7 @@ static void pick(const Problem *p, ScoreFn *score, MixFn *mix) {
     return;
 #endif
 #if defined(INT_VECTOR) || defined(INT_AVX2)
-    *score = score_any;
-    *mix = mix_any;
-#define PICK(B, D) if (p->bits == B && p->d == D) *score = score_##B##_##D, *mix = mix_##B##_##D;
-    SHAPES(PICK)
+    PICK_SHAPE(p, score, mix);
 #endif
 }
 

@@ -20,14 +20,13 @@ tensors, dispatched in C++ (kernels/cpu_ops.cpp) where that builds, else through
 """
 
 import ctypes
-from functools import lru_cache, partial
+from functools import lru_cache
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
 import specache
-from kernels import cpu_build, cpu_ops, lowbit_cpu
+from kernels import cpu_build, lowbit_cpu
 from specache import LowBitKV
 
 SOURCE = Path(__file__).with_name("lowbit_int_cpu.c")
@@ -67,33 +66,13 @@ def run_kernel(
     )
 
 
-def _serve(lib: ctypes.CDLL, *inputs) -> lowbit_cpu.Outputs:
-    """specache::lowbit_partial_attention_int8 for CPU tensors where the C++ dispatch does not
-    build: the C kernel through ctypes for the shapes it takes, the twin otherwise."""
-    rows, bits, group, visible_len, excluded_pos, excluded_valid = inputs[0], *inputs[7:]
-    if lowbit_cpu.takes(rows, bits, group) and inputs[1].shape[2] > 0:
-        kv = LowBitKV(*inputs[1:7], bits, group)
-        return run_kernel(lib, rows, kv, visible_len, excluded_pos, excluded_valid)
-    return specache.lowbit_partial_attention_int8_reference(*inputs)
-
-
 @lru_cache(maxsize=None)
 def register() -> bool:
     """Build the C kernel (once) and make it serve `specache::lowbit_partial_attention_int8` for
     CPU tensors; False where it cannot (the twin serves)."""
-    if not cpu_build.enabled():
-        return False
-    lib = cpu_build.build_and_load(
+    return lowbit_cpu.register_build(
         SOURCE,
         FUNCTION,
-        lowbit_cpu._Problem,
+        specache.lowbit_partial_attention_int8_reference,
         "the CPU integer kernel is unavailable, its twin serves",
     )
-    if lib is None:
-        return False
-    fallback = specache.lowbit_partial_attention_int8_reference
-    if not cpu_ops.hand_over(FUNCTION, getattr(lib, FUNCTION), fallback):
-        torch.library.register_kernel(
-            "specache::lowbit_partial_attention_int8", "cpu", partial(_serve, lib)
-        )
-    return True

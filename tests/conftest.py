@@ -1,5 +1,7 @@
+import contextlib
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -208,3 +210,25 @@ def specache_kernels():
     from caches import accelerate_specache
 
     accelerate_specache()
+
+
+@contextlib.contextmanager
+def reference_ops():
+    """specache.py's plain-PyTorch definitions serve its ops on CPUs, whatever kernels
+    registered."""
+    import specache
+
+    library = torch.library.Library("specache", "IMPL")
+    with warnings.catch_warnings():  # torch warns that this overrides the kernels: it is meant to
+        warnings.simplefilter("ignore")
+        for name in (
+            "lowbit_partial_attention",
+            "lowbit_partial_attention_int8",
+            "merge_segments",
+            "top_positions",
+        ):
+            library.impl(name, getattr(specache, f"{name}_reference"), "CPU")
+    try:
+        yield
+    finally:
+        library._destroy()

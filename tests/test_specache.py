@@ -1,9 +1,7 @@
 """SpeCache against the full cache, against its reference kernels, and against its own
 invariants."""
 
-import contextlib
 import dataclasses
-import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +10,7 @@ import torch
 import specache
 from caches import FullCache, PluggedSpeCache
 from config import ModelArgs
-from conftest import specache_config, tiny_model
+from conftest import reference_ops, specache_config, tiny_model
 from generation import compile_decode, generate
 from model import KVCache, Transformer
 from reference_decoder import lookup_guess
@@ -66,26 +64,6 @@ def plugged(model, batch, capacity, config, stats=False):
         else None
     )
     return PluggedSpeCache(model, batch, capacity, config, probe=probe)
-
-
-@contextlib.contextmanager
-def reference_ops():
-    """specache.py's plain-PyTorch definitions serve its ops on CPUs, whatever kernels
-    registered."""
-    library = torch.library.Library("specache", "IMPL")
-    with warnings.catch_warnings():  # torch warns that this overrides the kernels: it is meant to
-        warnings.simplefilter("ignore")
-        for name in (
-            "lowbit_partial_attention",
-            "lowbit_partial_attention_int8",
-            "merge_segments",
-            "top_positions",
-        ):
-            library.impl(name, getattr(specache, f"{name}_reference"), "CPU")
-    try:
-        yield
-    finally:
-        library._destroy()
 
 
 def run_specache(model, prompts, new_tokens, config, capacity=None, guess_next=None, stats=False):
