@@ -42,7 +42,7 @@ from torch import Tensor
 
 from disk_tier import DiskFolder, DiskTier
 from eviction import EvictionCache, EvictionConfig, EvictionLayer, EvictionState
-from kernels import dense_cpu, lowbit_cpu, lowbit_int_cpu, lowbit_triton, rank_cpu
+from kernels import cpu_ops, dense_cpu, lowbit_cpu, lowbit_int_cpu, lowbit_triton, rank_cpu
 from model import FLEX_BLOCK_SIZE, KVCache, RingKVCache, Transformer
 from specache import (
     Method,
@@ -53,6 +53,7 @@ from specache import (
     SpeCacheLayer,
     SpeCacheState,
     sixteen_bit_dtype,
+    step_attention_reference,
 )
 from specache_stats import Diagnostics, cache_stats, step_bytes
 
@@ -221,6 +222,7 @@ def accelerate_specache() -> None:
     lowbit_int_cpu.register()
     rank_cpu.register()
     dense_cpu.register_merge()
+    cpu_ops.fuse_step(step_attention_reference)
     lowbit_triton.register()
 
 

@@ -1005,6 +1005,9 @@ def dequantize_values_at(kv: LowBitKV, positions: Tensor) -> Tensor:
     return dequantize_values(at(kv.v_packed), at(kv.v_scale), at(kv.v_zero), kv.bits, kv.group)
 
 
+DROP_ROUNDING = 1e-5  # of a row's low-bit sum: what a subtraction from it can leave as noise
+
+
 def drop_from_lowbit(
     part: LowBitPart, kv: LowBitKV, positions: Tensor, valid: Tensor
 ) -> LowBitPart:
@@ -1012,12 +1015,17 @@ def drop_from_lowbit(
     ones anywhere) had been excluded from the low-bit pass: their weights and weighted values are
     subtracted. This is how positions chosen from the pass's own weights move to the 16-bit
     segment without a second pass; the error is that of the subtraction, a few ulps of the row's
-    low-bit sum. Positions already at weight 0 (excluded or invisible) change nothing."""
+    low-bit sum (a row left with less than DROP_ROUNDING of it is left with nothing). Positions
+    already at weight 0 (excluded or invisible) change nothing."""
     m = part.weights.shape[2]
     index = positions.unsqueeze(2).expand(-1, -1, m, -1)  # (B, Hkv, M, K)
     dropped = part.weights.gather(-1, index) * valid.unsqueeze(2)
     out = part.out - dropped @ dequantize_values_at(kv, positions)
-    row_sum = (part.row_sum - dropped.sum(-1)).clamp_min(0.0)
+    row_sum = part.row_sum - dropped.sum(-1)
+    # what is left below the subtraction's rounding is noise, and the merge would scale it up
+    # where the picks held nearly all the low-bit weight: nothing is left
+    left = row_sum > part.row_sum * DROP_ROUNDING
+    row_sum, out = torch.where(left, row_sum, 0.0), torch.where(left.unsqueeze(-1), out, 0.0)
     # index_put, not scatter_add: torch.compile updates a buffer in place only for index_put (a
     # scatter copies the whole (B, Hkv, M, T) tensor first); invalid entries add 0, wherever they
     # point
@@ -1030,6 +1038,54 @@ def drop_from_lowbit(
     )
     weights = part.weights.index_put(at, -dropped, accumulate=True)
     return LowBitPart(weights, part.row_max, row_sum, out)
+
+
+# The exact pairs' slots (B, Hkv, K) of one layer: [sinks | the prefetch (k_spec) | the real row's
+# picks (k_real)]. A step reads the sinks and the prefetch (unless a KV head discards it), and
+# refills the real row's slots (or, where its KV head discards the prefetch, all k).
+
+
+def exact_slots(
+    fetched_valid: Tensor,
+    fetched_pos: Tensor,
+    quantized_len: Tensor,
+    n_sinks: int,
+    n_spec: int,
+    discard: Optional[Tensor],
+) -> Tensor:
+    """Which slots count now (B, Hkv, K): sinks and the prefetch, at positions quantized already
+    (a pair chosen while its position was in the window counts once it leaves it); not the real
+    row's slots, which the step refills; not the prefetch of a KV head in `discard` (B, Hkv)."""
+    exact = fetched_valid & (fetched_pos < quantized_len[:, None, None])
+    exact[:, :, n_sinks + n_spec :] = False
+    if discard is not None:
+        exact[:, :, n_sinks : n_sinks + n_spec] &= ~discard.unsqueeze(-1)
+    return exact
+
+
+def first_pick_slot(
+    fetched_pos: Tensor, n_sinks: int, n_spec: int, discard: Optional[Tensor]
+) -> Tensor:
+    """(B, Hkv, 1): the slot of the real row's first pick; the prefetch's first slot for a KV head
+    in `discard`."""
+    first = torch.full(fetched_pos.shape[:2] + (1,), n_sinks + n_spec, device=fetched_pos.device)
+    return first if discard is None else torch.where(discard.unsqueeze(-1), n_sinks, first)
+
+
+def picks_placed(n_picks: int, n_slots: int, first: Tensor) -> Tensor:
+    """(B, Hkv, n_picks): which picks find a slot from `first` on."""
+    return torch.arange(n_picks, device=first.device) < n_slots - first
+
+
+def place_picks(picks: Tensor, slots: Tensor, first: Tensor) -> Tensor:
+    """`slots` (B, Hkv, K, ...) with slot j >= first[b, h] holding pick j - first of `picks` (B,
+    Hkv, P, ...), in order."""
+    extra = [1] * (picks.dim() - 3)
+    slot = torch.arange(slots.shape[2], device=slots.device)
+    rank = (slot - first).clamp(0, picks.shape[2] - 1).view(*first.shape[:2], -1, *extra)
+    index = rank.expand(*rank.shape[:3], *picks.shape[3:])
+    taken = (slot >= first).view(*rank.shape)
+    return torch.where(taken, picks.gather(2, index), slots)
 
 
 # --- prefill over a history ------------------------------------------------------------------
@@ -1171,6 +1227,142 @@ class RamTier:
 
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
+
+
+# --- one op per layer: a step with the slow tier in the same RAM -----------------------------
+# On a CPU both tiers are in RAM, and what a step does between its kernels (the low-bit pass, two
+# merges, two rankings, the picks' gather and drop, the prefetch's gather) is small: dispatching
+# it op by op cost more than computing it (a SmolLM2 step at 1k made about 300 calls). So the
+# whole of a layer's attention in a step is one op, which a CPU kernel computes KV head by KV head
+# (kernels/cpu_ops.cpp). Its definition is the composition the layer runs op by op elsewhere.
+
+
+def step_attention_reference(
+    rows: Tensor,
+    k_packed: Tensor,
+    k_scale: Tensor,
+    k_zero: Tensor,
+    v_packed: Tensor,
+    v_scale: Tensor,
+    v_zero: Tensor,
+    bits: int,
+    group: int,
+    integer: bool,
+    quantized_len: Tensor,
+    fetched_k: Tensor,
+    fetched_v: Tensor,
+    fetched_pos: Tensor,
+    fetched_valid: Tensor,
+    window_k: Tensor,
+    window_v: Tensor,
+    window_len: Tensor,
+    new_k: Tensor,
+    new_v: Tensor,
+    store_k: Tensor,
+    store_v: Tensor,
+    n_picks: int,
+    discard: Optional[Tensor],
+    gqa_max: bool,
+    n_sinks: int,
+    n_spec: int,
+    selectable_len: Tensor,
+) -> tuple[Tensor, ...]:
+    """A layer's attention in one step, over a slow tier `store_k`, `store_v` (B, Hkv, T, D) in
+    the same memory. The rows attend over the four segments (`Segments`: the slots as
+    `fetched_valid` and `exact_slots` say); with n_picks, the real row (row 0) first picks that
+    many positions by its low-bit weights, whose pairs fill its slots (`first_pick_slot`) and
+    leave the low-bit segment; with n_spec, the last row then chooses the prefetch, among [n_sinks,
+    selectable_len[b]), and its pairs fill the prefetch's slots. Returns the output (B, Hkv, M,
+    D), the slots' new k, v, pos and valid, which picks were placed (B, Hkv, n_picks), and the
+    prefetch (B, Hkv, n_spec): positions and which are real. Every slot from the first pick's on
+    takes a pick: n_picks is 0, or at least the real row's slots (plus the prefetch's where a
+    `discard` is given)."""
+    real_slots = fetched_pos.shape[-1] - n_sinks - n_spec
+    if n_picks and n_picks < real_slots + (n_spec if discard is not None else 0):
+        raise ValueError(
+            f"step_attention: {n_picks} picks cannot fill the {real_slots} real-row slots"
+            + (f" and the {n_spec} of the prefetch" if discard is not None else "")
+        )
+    kv = LowBitKV(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group)
+    exact = exact_slots(fetched_valid, fetched_pos, quantized_len, n_sinks, n_spec, discard)
+    window = (window_k, window_v, window_len, new_k, new_v)
+    seg = Segments(quantized_len, fetched_k, fetched_v, fetched_pos, exact, *window)
+    s, gqa = new_k.shape[2], "max" if gqa_max else "mean"
+    part = lowbit_partial_attention(rows, kv, seg, "int8" if integer else "float")
+    # fresh, not views: an op's outputs never alias its inputs
+    nothing = fetched_pos.new_empty(fetched_pos.shape[:2] + (0,))
+    placed = nothing.bool()
+    if n_picks:
+        merged = merge_segments(rows, part, seg)
+        picks, valid = top_positions(
+            part, merged, seg, s, 0, gqa, 0, quantized_len, fetched_pos, exact, n_picks
+        )
+        first = first_pick_slot(fetched_pos, n_sinks, n_spec, discard)
+        placed = valid & picks_placed(n_picks, fetched_pos.shape[-1], first)
+        seg = seg._replace(
+            fetched_k=place_picks(
+                gather_pairs(store_k, picks).to(fetched_k.dtype), fetched_k, first
+            ),
+            fetched_v=place_picks(
+                gather_pairs(store_v, picks).to(fetched_v.dtype), fetched_v, first
+            ),
+            fetched_pos=place_picks(picks, fetched_pos, first),
+            fetched_valid=place_picks(placed, exact, first),
+        )
+        part = drop_from_lowbit(part, kv, picks, placed)
+    merged = merge_segments(rows, part, seg)
+    kappa_pos, kappa_valid = nothing, nothing.bool()
+    if n_spec:
+        kappa_pos, kappa_valid = top_positions(
+            part,
+            merged,
+            seg,
+            s,
+            s - 1,
+            gqa,
+            n_sinks,
+            selectable_len,
+            nothing,
+            nothing.bool(),
+            n_spec,
+        )
+    prefetch = slice(n_sinks, n_sinks + n_spec)
+    out_k, out_v, out_pos = seg.fetched_k.clone(), seg.fetched_v.clone(), seg.fetched_pos.clone()
+    out_valid = fetched_valid.clone()  # the other slots' validity stays (exact_slots reads it)
+    out_k[:, :, prefetch] = gather_pairs(store_k, kappa_pos).to(out_k.dtype)
+    out_v[:, :, prefetch] = gather_pairs(store_v, kappa_pos).to(out_v.dtype)
+    out_pos[:, :, prefetch] = kappa_pos
+    out_valid[:, :, prefetch] = kappa_valid
+    return merged.out, out_k, out_v, out_pos, out_valid, placed, kappa_pos, kappa_valid
+
+
+_OPS.define(
+    "step_attention(Tensor rows, Tensor k_packed, Tensor k_scale, Tensor k_zero, "
+    "Tensor v_packed, Tensor v_scale, Tensor v_zero, int bits, int group, bool integer, "
+    "Tensor quantized_len, Tensor fetched_k, Tensor fetched_v, Tensor fetched_pos, "
+    "Tensor fetched_valid, Tensor window_k, Tensor window_v, Tensor window_len, Tensor new_k, "
+    "Tensor new_v, Tensor store_k, Tensor store_v, int n_picks, Tensor? discard, bool gqa_max, "
+    "int n_sinks, int n_spec, Tensor selectable_len) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+_OPS.impl("step_attention", step_attention_reference, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("specache::step_attention")
+def _(rows, *args):
+    fetched_k, fetched_v, fetched_pos, fetched_valid = args[10:14]
+    n_picks, n_spec = args[21], args[25]
+    b, h = fetched_pos.shape[:2]
+    return (
+        torch.empty_like(rows),
+        torch.empty_like(fetched_k),
+        torch.empty_like(fetched_v),
+        torch.empty_like(fetched_pos),
+        torch.empty_like(fetched_valid),
+        fetched_valid.new_empty(b, h, n_picks),
+        fetched_pos.new_empty(b, h, n_spec),
+        fetched_valid.new_empty(b, h, n_spec),
+    )
 
 
 class PinnedTier:
@@ -1625,53 +1817,100 @@ class SpeCacheLayer(nn.Module):
     def step(self, q: Tensor, k: Tensor, v: Tensor, keep: bool) -> Tensor:
         """The new rows (B, H, S, D) over the history in mixed precision; the last row chooses the
         next prefetch; with `keep`, the real row's K, V join the window and the slow tier."""
-        state, sel = self.state, self.config.selection
         b, n_heads, s, d = q.shape
         rows = query_rows(q, k.shape[1])
         discard = self.prefetch_missed(q) if self.correcting and keep else None
-        seg = Segments(
-            state.quantized_len,
-            self.fetched_k,
-            self.fetched_v,
-            self.fetched_pos,
-            self.exact_slots(discard),
-            self.window_k,
-            self.window_v,
-            state.window_len,
-            k,
-            v,
-        )
-        part = lowbit_partial_attention(rows, self.lowbit(), seg, self.config.method.arithmetic)
-        if self.picks:
-            part, seg = self.pick_within_step(rows, part, seg, s, discard)
-        merged = merge_segments(rows, part, seg)
-        if self.probe is not None and keep:  # before the prefetch rewrites the slots seg reads
-            self.probe.observe(self, rows, seg, s)
-        kappa = None
-        if self.k_spec:  # the last row (the speculative one, or T1) chooses kappa_{t+1}
-            nothing = seg.fetched_pos[..., :0]
-            kappa = self.choose_prefetch(
-                *top_positions(
-                    part,
-                    merged,
-                    seg,
-                    s,
-                    s - 1,
-                    sel.gqa,
-                    self.n_sinks,
-                    state.selectable_len,
-                    nothing,
-                    nothing.bool(),
-                    self.k_spec,
-                )
-            )
+        if isinstance(self.tier, RamTier) and self.probe is None:
+            out, kappa = self.step_in_ram(rows, k, v, discard)
+        else:
+            out, kappa = self.step_in_parts(rows, k, v, keep, discard)
         if self.correcting:
             self.last_query.copy_(q[:, :, -1])
         new_k = new_v = None
         if keep:
             new_k, new_v = self.append_real_row(k[:, :, 0], v[:, :, 0])
         self.tier.after_step(new_k, new_v, kappa)
-        return merged.out.reshape(b, n_heads, s, d).to(q.dtype)
+        return out.reshape(b, n_heads, s, d).to(q.dtype)
+
+    def segments(self, k: Tensor, v: Tensor, fetched_valid: Tensor) -> Segments:
+        state = self.state
+        buffers = (self.fetched_k, self.fetched_v, self.fetched_pos, fetched_valid)
+        window = (self.window_k, self.window_v, state.window_len)
+        return Segments(state.quantized_len, *buffers, *window, k, v)
+
+    def step_in_ram(
+        self, rows: Tensor, k: Tensor, v: Tensor, discard: Optional[Tensor]
+    ) -> tuple[Tensor, None]:
+        """A step whose slow tier is in the same RAM: one op (`specache::step_attention`), which
+        also places the prefetch; the tier then only stores the real row."""
+        m, sel = self.config.method, self.config.selection
+        out, fetched_k, fetched_v, fetched_pos, fetched_valid, picked, kappa_pos, kappa_valid = (
+            torch.ops.specache.step_attention(
+                rows,
+                *self.lowbit()[:6],
+                m.bits,
+                m.group,
+                m.arithmetic == "int8",
+                *self.segments(k, v, self.fetched_valid),
+                self.tier.k,
+                self.tier.v,
+                self.picks,
+                discard,
+                sel.gqa == "max",
+                self.n_sinks,
+                self.k_spec,
+                self.state.selectable_len,
+            )
+        )
+        for buffer, new in zip(
+            (self.fetched_k, self.fetched_v, self.fetched_pos, self.fetched_valid),
+            (fetched_k, fetched_v, fetched_pos, fetched_valid),
+        ):
+            buffer.copy_(new)
+        self.pairs_read += picked.sum()
+        if self.k_spec:
+            self.choose_prefetch(kappa_pos, kappa_valid)
+        return out, None
+
+    def step_in_parts(
+        self, rows: Tensor, k: Tensor, v: Tensor, keep: bool, discard: Optional[Tensor]
+    ) -> tuple[Tensor, Optional[Kappa]]:
+        """A step op by op, for a slow tier elsewhere (its reads) or a probe (which watches, or
+        picks as the oracle): the output and the prefetch for the tier to place."""
+        state, sel, s = self.state, self.config.selection, k.shape[2]
+        exact = exact_slots(
+            self.fetched_valid,
+            self.fetched_pos,
+            state.quantized_len,
+            self.n_sinks,
+            self.k_spec,
+            discard,
+        )
+        seg = self.segments(k, v, exact)
+        part = lowbit_partial_attention(rows, self.lowbit(), seg, self.config.method.arithmetic)
+        if self.picks:
+            part, seg = self.pick_within_step(rows, part, seg, s, discard)
+        merged = merge_segments(rows, part, seg)
+        if self.probe is not None and keep:  # before the prefetch rewrites the slots seg reads
+            self.probe.observe(self, rows, seg, s)
+        if not self.k_spec:
+            return merged.out, None
+        # the last row (the speculative one, or T1) chooses kappa_{t+1}
+        nothing = seg.fetched_pos[..., :0]
+        kappa = top_positions(
+            part,
+            merged,
+            seg,
+            s,
+            s - 1,
+            sel.gqa,
+            self.n_sinks,
+            state.selectable_len,
+            nothing,
+            nothing.bool(),
+            self.k_spec,
+        )
+        return merged.out, self.choose_prefetch(*kappa)
 
     def prefetch_missed(self, q: Tensor) -> Tensor:
         """correct: the KV heads (B, Hkv) whose real query moved away from the one that chose the
@@ -1681,16 +1920,6 @@ class SpeCacheLayer(nn.Module):
         self.heads_discarded += discard.sum()
         self.heads_checked += discard.numel()
         return discard
-
-    def exact_slots(self, discard: Optional[Tensor]) -> Tensor:
-        """Which slots count now: sinks and the prefetch, at positions quantized already (a pair
-        chosen while its position was in the window counts once it leaves it); not the real row's
-        slots, which this step refills; not the prefetch of a head that discards it."""
-        exact = self.fetched_valid & (self.fetched_pos < self.state.quantized_len[:, None, None])
-        exact[:, :, self.real_slots] = False
-        if discard is not None:
-            exact[:, :, self.spec_slots] &= ~discard.unsqueeze(-1)
-        return exact
 
     def pick_within_step(
         self, rows: Tensor, part: LowBitPart, seg: Segments, s: int, discard: Optional[Tensor]
@@ -1711,37 +1940,20 @@ class SpeCacheLayer(nn.Module):
                 0,
                 self.config.selection.gqa,
                 0,
-                self.state.quantized_len,
+                seg.quantized_len,
                 seg.fetched_pos,
                 seg.fetched_valid,
                 self.picks,
             )
-        device = rows.device
-        slot = torch.arange(self.fetched_pos.shape[-1], device=device)
-        # a head's first picked slot
-        first = torch.full(picks.shape[:2] + (1,), self.real_slots.start, device=device)
-        if discard is not None:
-            first = torch.where(discard.unsqueeze(-1), self.spec_slots.start, first)
-        valid = valid & (torch.arange(self.picks, device=device) < slot.shape[0] - first)  # placed
-        rank = (slot - first).clamp(0, self.picks - 1)  # which pick each slot takes (slot >= first)
-        taken = slot >= first
-
-        def place(new: Tensor, old: Tensor) -> Tensor:
-            """Per slot: the pick of its rank where the slot is taken, else what it held."""
-            extra = new.shape[3:]
-            index = rank.view(*rank.shape, *[1] * len(extra)).expand(*rank.shape, *extra)
-            return torch.where(
-                taken.view(*taken.shape, *[1] * len(extra)), new.gather(2, index), old
-            )
-
+        first = first_pick_slot(seg.fetched_pos, self.n_sinks, self.k_spec, discard)
+        valid = valid & picks_placed(self.picks, seg.fetched_pos.shape[-1], first)
         pair_k, pair_v = self.tier.read(picks, valid)
-        self.fetched_k.copy_(place(pair_k.to(self.fetched_k.dtype), self.fetched_k))
-        self.fetched_v.copy_(place(pair_v.to(self.fetched_v.dtype), self.fetched_v))
-        self.fetched_pos.copy_(place(picks, self.fetched_pos))
+        self.fetched_k.copy_(place_picks(pair_k.to(self.fetched_k.dtype), self.fetched_k, first))
+        self.fetched_v.copy_(place_picks(pair_v.to(self.fetched_v.dtype), self.fetched_v, first))
+        self.fetched_pos.copy_(place_picks(picks, self.fetched_pos, first))
         self.pairs_read += valid.sum()
-        exact = place(valid, seg.fetched_valid)
         part = drop_from_lowbit(part, self.lowbit(), picks, valid)
-        return part, seg._replace(fetched_valid=exact)
+        return part, seg._replace(fetched_valid=place_picks(valid, seg.fetched_valid, first))
 
     def choose_prefetch(self, kappa_pos: Tensor, kappa_valid: Tensor) -> Kappa:
         """kappa_{t+1}: the last row's top-k_spec positions (B, Hkv, k_spec), among those

@@ -73,9 +73,26 @@ def hand_over(op: str, function: ctypes._CFuncPtr, fallback: Optional[Callable] 
     for shapes the C kernel does not take."""
     if not _loaded():
         return False
-    if fallback is not None and not hasattr(torch.ops.specache_plain, op):
-        schema = str(getattr(torch.ops.specache, op).default._schema).split("::", 1)[1]
-        _PLAIN.define(schema)
-        _PLAIN.impl(op, fallback, "CompositeExplicitAutograd")
+    if fallback is not None:
+        _define_plain(op, fallback)
     torch.ops.specache.set_cpu_kernel(op, ctypes.cast(function, ctypes.c_void_p).value)
     return True
+
+
+def fuse_step(reference: Callable) -> bool:
+    """Register the C++ implementation of `specache::step_attention`, which chains the C kernels
+    of the low-bit pass, the merge and the ranking KV head by KV head, once those are handed over;
+    False where it cannot (the reference, op by op, serves). `reference`: the op's plain-PyTorch
+    definition, which it calls for shapes the kernels do not take."""
+    if not _loaded():
+        return False
+    _define_plain("step_attention", reference)
+    return torch.ops.specache.enable_step_attention()
+
+
+def _define_plain(op: str, definition: Callable) -> None:
+    """specache_plain::`op`: specache::`op`'s schema, implemented by its plain definition."""
+    if not hasattr(torch.ops.specache_plain, op):
+        schema = str(getattr(torch.ops.specache, op).default._schema).split("::", 1)[1]
+        _PLAIN.define(schema)
+        _PLAIN.impl(op, definition, "CompositeExplicitAutograd")

@@ -12,18 +12,18 @@ transformers.
 
 Every figure comes from one run. Per context length, one random-token prompt is prefilled once
 (batch 1, full precision, as every method does: scripts/harness.py) and each method's cache takes
-its K and V (`batch` copies of it), then decodes `--new_tokens` steps, compiled, after a warm-up
-that compiles the method's graphs. SmolLM2's trained context is 8k: longer prompts here measure
-speed only. A step's time is the median of the steps timed (the box may be shared, and a spike
-in one step then moves no figure); HF's rows take the mean from the first new token to the last.
-The full cache's fast-tier MB are its K and V as allocated, in the model's dtype (rings for
+its K and V (`batch` copies of it), then decodes `--new_tokens` steps, compiled (`--eager`: not),
+after a warm-up that compiles the method's graphs. SmolLM2's trained context is 8k: longer prompts
+here measure speed only. A step's time is the median of the steps timed (the box may be shared, and
+a spike in one step then moves no figure); HF's rows take the mean from the first new token to the
+last. The full cache's fast-tier MB are its K and V as allocated, in the model's dtype (rings for
 sliding-window layers). Bytes per step are what the step must read: the weights plus what each
 tier's step reads (the full cache: its K and V up to the position, in the model's dtype, and the
 rings; SpeCache: its low-bit copy, window and fetched pairs, and the rings; eviction: its kept
-pairs, and the rings). The machine's read bandwidth
-(a plain sum of a large tensor) is measured at the start and again around each row, since the box
-may be shared; "% of bw" uses the reading around the row. Ratios to the full cache are tok/s over
-the full cache's tok/s at the same length and batch, in the same run.
+pairs, and the rings). The machine's read bandwidth (a plain sum of a large tensor) is measured at
+the start and again around each row, since the box may be shared; "% of bw" uses the reading around
+the row. Ratios to the full cache are tok/s over the full cache's tok/s at the same length and
+batch, in the same run.
 
 Also: the paper's Table 4 (speculative against not) is `specache-1bit` against
 `specache-nospec-1bit`. On a GPU, `specache-1bit, fetch waited` waits for each fetch as soon as it
@@ -175,7 +175,7 @@ def bench_method(
         slow=result.stats.get("slow_tier_bytes"),
         fetched=result.stats.get("bytes_fetched_per_token"),
         discarded=result.stats.get("prefetch_discarded_share"),
-        compile=compile_seconds,
+        compile=compile_seconds if runner.compiled else None,
     )
 
 
@@ -350,6 +350,11 @@ def main() -> None:
         "of compiling rather than minutes per method and length; slower steps)",
     )
     parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="decode without torch.compile, as generate.py and chat.py do by default",
+    )
+    parser.add_argument(
         "--max_batch",
         action="store_true",
         help="also find each method's largest batch at each length, and its tok/s",
@@ -445,7 +450,7 @@ def main() -> None:
             tokenizer,
             names,
             topk=args.topk,
-            compile=True,
+            compile=not args.eager,
             round_capacity=False,
             whole_step=not args.compile_per_block,
         )
@@ -511,7 +516,8 @@ def main() -> None:
     )
     markdown = table(
         rows,
-        f"{model_name}, {args.dtype}, greedy, {args.new_tokens} decode steps, compiled (ours), "
+        f"{model_name}, {args.dtype}, greedy, {args.new_tokens} decode steps, "
+        f"{'eager' if args.eager else 'compiled'} (ours), "
         f"k = {args.topk}, {where}. Prefill: ours, batch 1, shared by our methods; HF's and "
         "llama.cpp's "
         f"their own. llama.cpp: "

@@ -172,7 +172,7 @@ INTEGER = [
         "measured around the row.",
     ),
     (
-        "int8/bench",
+        "int8/bench/bench",
         "SmolLM2-135M: decode speed with the integer pass",
         "scripts/bench.py --checkpoint ... --methods full full-16bit specache-1bit "
         "specache-1bit:int8 ...",

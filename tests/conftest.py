@@ -226,6 +226,7 @@ def reference_ops():
             "lowbit_partial_attention_int8",
             "merge_segments",
             "top_positions",
+            "step_attention",
         ):
             library.impl(name, getattr(specache, f"{name}_reference"), "CPU")
     try:

@@ -23,6 +23,7 @@ from scripts.harness import Runner
 from scripts.haystack import needle_prompt
 from caches import PluggedSpeCache
 from conftest import specache_config
+from specache import SpeCacheLayer
 from specache_stats import Diagnostics
 from tokenizer import get_tokenizer
 
@@ -40,6 +41,18 @@ CONFIGS = {
     "paper-2bit": (specache_config("paper", bits=2, **SMALL), False),  # no reuse
     "nospec-1bit": (specache_config(bits=1, speculative=False, **SMALL), False),
 }
+
+
+@pytest.fixture(autouse=True)
+def ram_tier_op_by_op(monkeypatch):
+    """The RAM tier's layers run op by op, as the disk tier's do, not in one op per layer (whose
+    CPU kernel drops the picks' low-bit share in another order of additions): so both tiers
+    compute the same floats, and their logits can be held equal bit for bit."""
+    monkeypatch.setattr(
+        SpeCacheLayer,
+        "step_in_ram",
+        lambda self, rows, k, v, discard: self.step_in_parts(rows, k, v, True, discard),
+    )
 
 
 def disk_cache(model, capacity, tmp_path, batch=1, config=None, stats=False):

@@ -120,15 +120,22 @@ def test_sixteen_bit_pairs_stay_close_to_the_fp32_full_cache():
 def test_fast_kernels_generate_what_the_reference_kernels_generate(
     cache, select, arithmetic, monkeypatch
 ):
-    """Every variant (k = 0 is KIVI alone) through the C kernels == through the plain-PyTorch
-    definitions of specache.py's ops (head_dim 64: the kernels' vector paths); each step's low-bit
-    pass runs in the configured arithmetic."""
-    passes = []
+    """Every variant (k = 0 is KIVI alone) through the C kernels, one op per layer and step
+    (specache::step_attention) == through the plain-PyTorch definitions of specache.py's ops
+    (head_dim 64: the kernels' vector paths); there, each step's low-bit pass runs in the
+    configured arithmetic (the one op's is held to it in test_step_cpu.py)."""
+    passes, fused = [], []
     real = specache.lowbit_partial_attention
     monkeypatch.setattr(
         specache,
         "lowbit_partial_attention",
         lambda *args: passes.append(args[3]) or real(*args),
+    )
+    real_step = specache.SpeCacheLayer.step_in_ram
+    monkeypatch.setattr(
+        specache.SpeCacheLayer,
+        "step_in_ram",
+        lambda self, *args: fused.append(True) or real_step(self, *args),
     )
     config = specache_config(
         select,
@@ -140,6 +147,7 @@ def test_fast_kernels_generate_what_the_reference_kernels_generate(
     model = tiny_model(dim=256, n_head=4, n_local_heads=2)
     prompts = prompts_of(50, 77)
     fast = run_specache(model, prompts, 30, config)
+    assert fused and not passes  # the C++ op ran the whole step
     with reference_ops():
         assert run_specache(model, prompts, 30, config).tokens == fast.tokens
     assert passes and set(passes) == {arithmetic}
@@ -480,8 +488,9 @@ def test_compiled_decode_matches_eager_and_never_recompiles(cache, layout, whole
     torch._dynamo.reset()
 
 
-def test_a_failing_fetch_raises_instead_of_being_lost(monkeypatch):
-    """On a CPU the gather runs inside the step; the GPU's background worker has its own test in
+def test_a_failing_fetch_raises_instead_of_being_lost(monkeypatch, specache_kernels):
+    """On a CPU the gather runs inside the step (here in the one op's definition: the C++ kernel
+    copies pairs within RAM, which cannot fail); the GPU's background worker has its own test in
     tests/test_cuda.py."""
     model = tiny_model()
 
@@ -489,7 +498,7 @@ def test_a_failing_fetch_raises_instead_of_being_lost(monkeypatch):
         raise RuntimeError("injected fetch failure")
 
     monkeypatch.setattr(specache, "gather_pairs", broken)
-    with pytest.raises(RuntimeError, match="injected fetch failure"):
+    with pytest.raises(RuntimeError, match="injected fetch failure"), reference_ops():
         run_specache(model, prompts_of(60), 10, specache_config(topk=8, **SMALL))
 
 

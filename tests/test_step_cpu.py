@@ -1,0 +1,237 @@
+"""specache::step_attention on CPUs: kernels/cpu_ops.cpp's one call per layer, which chains the C
+kernels KV head by KV head, against specache.py's definition of the op, run op by op on the same C
+kernels and on the plain-PyTorch ops (`reference_ops`).
+
+What must agree: the output (within float32 rounding of the definition on the same kernels, and
+within the kernels' own tolerance of the plain ops), which picks were placed and where, the
+prefetch, and every slot's position, validity and pair, but those of picks and prefetch entries
+that are not real: a ranking with fewer candidates than k leaves their position unspecified (the
+kernel writes 0, topk some masked position), and such a slot never counts.
+"""
+
+import contextlib
+import shutil
+import warnings
+
+import pytest
+import torch
+
+import specache
+from conftest import reference_ops
+from specache import quantize_keys, quantize_values
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("g++") is None, reason="no g++: the reference serves"),
+    pytest.mark.usefixtures("one_thread", "specache_kernels"),
+]
+
+
+def step_problem(
+    bits=1,
+    integer=False,
+    s=2,
+    n_picks=8,
+    n_sinks=2,
+    n_spec=4,
+    n_real=4,
+    discard=True,
+    gqa_max=True,
+    dtype=torch.bfloat16,
+    d=64,
+    t=160,
+    seed=0,
+):
+    """The op's arguments for 2 sequences of 2 KV heads with 3 query heads each: a low-bit copy of
+    t positions of random keys (outlier channels) and values, of which sequence 0 has quantized
+    t - 32 and sequence 1 only 8 (fewer candidates than picks); slots holding sinks, a prefetch
+    (some of it beyond the quantized length, one entry invalid) and stale real-row picks; a
+    ragged window; the tier holding every pair."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, group_size, window = 2, 2, 3, 24
+    m = group_size * s
+    keys = torch.randn(b, h, t + window, d, generator=g) * torch.linspace(0.2, 4, d)
+    values = torch.randn(b, h, t + window, d, generator=g)
+    k_packed, k_scale, k_zero = quantize_keys(keys[:, :, :t], bits, 32, torch.float16)
+    v_packed, v_scale, v_zero = quantize_values(values[:, :, :t], bits, 32, torch.float16)
+    quantized_len = torch.tensor([t - 32, 8])
+    slots = n_sinks + n_spec + n_real
+    fetched_pos = torch.randint(0, t - 24, (b, h, slots), generator=g)
+    fetched_pos[:, :, :n_sinks] = torch.arange(n_sinks)
+    fetched_valid = torch.rand(b, h, slots, generator=g) > 0.2
+    fetched_valid[:, :, :n_sinks] = True
+    store_k, store_v = keys.to(dtype), values.to(dtype)
+    fetched_k = store_k.gather(2, fetched_pos[..., None].expand(-1, -1, -1, d))
+    fetched_v = store_v.gather(2, fetched_pos[..., None].expand(-1, -1, -1, d))
+    window_len = torch.tensor([window, 9])
+    window_k = torch.stack([store_k[0, :, t - 32 : t - 32 + window], store_k[1, :, 8 : 8 + window]])
+    window_v = torch.stack([store_v[0, :, t - 32 : t - 32 + window], store_v[1, :, 8 : 8 + window]])
+    # the model's own dtype (float32 here) beside 16-bit pairs
+    new = torch.randn(b, h, 2 * s, d, generator=g)
+    # the model's k, v for the new rows: a transposed view, as attention hands them over
+    new_k, new_v = new[:, :, :s], new[:, :, s:].transpose(2, 3).contiguous().transpose(2, 3)
+    rows = torch.randn(b, h, m, d, generator=g) * d**-0.5 * 3
+    return (
+        rows,
+        k_packed,
+        k_scale,
+        k_zero,
+        v_packed,
+        v_scale,
+        v_zero,
+        bits,
+        32,
+        integer,
+        quantized_len,
+        fetched_k,
+        fetched_v,
+        fetched_pos,
+        fetched_valid,
+        window_k,
+        window_v,
+        window_len,
+        new_k,
+        new_v,
+        store_k,
+        store_v,
+        n_picks,
+        torch.tensor([[True, False], [False, True]]) if discard else None,
+        gqa_max,
+        n_sinks,
+        n_spec,
+        quantized_len + torch.tensor([32, 0]),
+    )
+
+
+def meaningful_slots(args, placed, kappa_valid):
+    """(B, Hkv, K): slots whose content is specified: all but those a pick or a prefetch entry
+    that is not real went to."""
+    fetched_pos, discard = args[13], args[23]
+    n_picks, n_sinks, n_spec = args[22], args[25], args[26]
+    slots = fetched_pos.shape[-1]
+    first = specache.first_pick_slot(fetched_pos, n_sinks, n_spec, discard)
+    meaningful = torch.ones_like(args[14])
+    if n_picks:
+        rank = (torch.arange(slots) - first).clamp(0, n_picks - 1)
+        real_pick = placed.gather(2, rank)
+        meaningful &= (torch.arange(slots) < first) | real_pick
+    meaningful[:, :, n_sinks : n_sinks + n_spec] = kappa_valid
+    return meaningful
+
+
+@contextlib.contextmanager
+def without_fallback():
+    """The C++ implementation's fallback (the definition, as specache_plain::step_attention)
+    raises: a call it does not take itself fails instead of passing as the definition."""
+
+    def refuse(*args):
+        raise AssertionError("the C++ step_attention handed the call to its fallback")
+
+    library = torch.library.Library("specache_plain", "IMPL")
+    with warnings.catch_warnings():  # torch warns that this overrides the definition: meant to
+        warnings.simplefilter("ignore")
+        library.impl("step_attention", refuse, "CPU")
+    try:
+        yield
+    finally:
+        library._destroy()
+
+
+def assert_same_step(args):
+    with without_fallback():
+        fused = torch.ops.specache.step_attention(*args)
+    with reference_ops():
+        expected = torch.ops.specache.step_attention(*args)
+    out, fetched_k, fetched_v, fetched_pos, fetched_valid, placed, kappa_pos, kappa_valid = fused
+    scale = expected[0].abs().max()
+    # the definition run on the same C kernels, op by op: only the drop's order of additions
+    # differs (a few ulps of the unnormalized low-bit terms, up to ~10x the output)
+    on_kernels = specache.step_attention_reference(*args)[0]
+    torch.testing.assert_close(out, on_kernels, atol=1e-5 * scale, rtol=1e-6)
+    # on the plain ops: the kernels' own tolerance (1e-5 of the low-bit pass's largest terms),
+    # which the drop amplifies where the picks take most of the low-bit weight
+    torch.testing.assert_close(out, expected[0], atol=1e-4 * scale, rtol=1e-5)
+    assert torch.equal(placed, expected[5])
+    assert torch.equal(kappa_valid, expected[7])
+    assert torch.equal(kappa_pos[kappa_valid], expected[6][kappa_valid])
+    meaningful = meaningful_slots(args, expected[5], expected[7])
+    assert torch.equal(fetched_pos[meaningful], expected[3][meaningful])
+    assert torch.equal(fetched_valid, expected[4])
+    assert torch.equal(fetched_k[meaningful], expected[1][meaningful])
+    assert torch.equal(fetched_v[meaningful], expected[2][meaningful])
+    return fused
+
+
+def test_the_kernel_serves_the_op():
+    """Where g++ builds kernels/cpu_ops.cpp, the C++ implementation is registered (else the rest
+    of this file would compare the reference with itself)."""
+    assert torch.ops.specache.enable_step_attention()
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+@pytest.mark.parametrize("integer", [False, True])
+@pytest.mark.parametrize("s", [1, 2])
+def test_a_step_equals_the_composition(bits, integer, s):
+    out, _, _, _, _, placed, _, kappa_valid = assert_same_step(
+        step_problem(bits=bits, integer=integer, s=s)
+    )
+    # the problem exercises what it claims: picks placed and cut short, a prefetch chosen
+    assert placed[0].any() and not placed[1].all()
+    assert kappa_valid.any()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"discard": False},  # correct, no head discards: the real row's slots take 4 of 8 picks
+        {"n_picks": 4, "discard": False},  # split without correct: picks fill the real slots
+        {"n_picks": 0, "n_real": 0, "discard": False},  # the paper's rule: the prefetch alone
+        {"n_spec": 0, "n_picks": 4, "discard": False},  # not speculative
+        {"n_sinks": 0},
+        {"gqa_max": False},
+        {"dtype": torch.float16},
+        {"dtype": torch.float32, "d": 128},
+    ],
+)
+def test_a_step_equals_the_composition_in_every_configuration(change):
+    assert_same_step(step_problem(**change))
+
+
+def test_with_threads_the_result_is_the_same():
+    """KV heads run on threads where the history is long enough (here 8k): the same result."""
+    args = step_problem(t=8192)
+    single = assert_same_step(args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with without_fallback():
+            many = torch.ops.specache.step_attention(*args)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(single, many):
+        assert torch.equal(a, b)
+
+
+def test_too_few_picks_for_the_slots_is_an_error():
+    """A KV head that discards its prefetch fills all 8 slots after the sinks: 6 picks cannot
+    (the slots would repeat the last pick)."""
+    with pytest.raises(ValueError, match="6 picks cannot fill the 4 real-row slots and the 4"):
+        torch.ops.specache.step_attention(*step_problem(n_picks=6))
+
+
+def test_shapes_the_kernels_do_not_take_go_to_the_reference():
+    """Head dim 8 (the low-bit kernel wants multiples of 16): the definition answers, op by op."""
+    args = step_problem(d=8)
+    with pytest.raises(AssertionError, match="fallback"), without_fallback():
+        torch.ops.specache.step_attention(*args)
+    expected = specache.step_attention_reference(*args)
+    for a, b in zip(torch.ops.specache.step_attention(*args), expected):
+        assert torch.equal(a, b)
+
+
+def test_the_op_under_torch_compile_matches_eager():
+    args = step_problem()
+    eager = torch.ops.specache.step_attention(*args)
+    with without_fallback():
+        compiled = torch.compile(torch.ops.specache.step_attention, fullgraph=True)(*args)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
