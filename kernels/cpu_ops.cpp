@@ -527,9 +527,8 @@ StepResult step_attention(const at::Tensor &rows_in, const at::Tensor &k_packed,
       }
     }
   };
-  // a KV head's chain is a few microseconds at short contexts, less than waking a thread
-  const int64_t grain = 1;
-  at::parallel_for(0, b * h, grain, [&](int64_t begin, int64_t end) {
+  // KV heads on threads, even 3 on 2 (SmolLM2): 200 against 245 us a call at 1k, 730 against 850 at 16k, in a step
+  at::parallel_for(0, b * h, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; bh++) one_head(bh);
   });
   TORCH_CHECK(!failed, "step_attention: a C kernel rejected a problem that passed the checks");

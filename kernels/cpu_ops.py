@@ -39,6 +39,7 @@ def build() -> Path:
         "-std=c++17",
         "-shared",
         "-fPIC",
+        "-fopenmp",  # at::parallel_for is inline: without it, one thread runs it all
         "-w",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         f"-DSPECACHE_TORCH_VERSION={torch.__version__}",
