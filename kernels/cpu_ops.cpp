@@ -535,51 +535,41 @@ StepResult step_attention(const at::Tensor &rows_in, const at::Tensor &k_packed,
   return {out, out_k, out_v, out_pos, out_valid, placed, kappa_pos, kappa_valid};
 }
 
-std::vector<std::unique_ptr<torch::Library>> &registrations() {
+// Registers `impl` as the op's implementation for CPU tensors, ahead of the Python one (for the process's life).
+template <typename Impl>
+void register_cpu(const char *op, Impl impl) {
   static std::vector<std::unique_ptr<torch::Library>> libraries;
-  return libraries;
+  libraries.push_back(
+      std::make_unique<torch::Library>(torch::Library::IMPL, "specache", c10::DispatchKey::CPU, __FILE__, __LINE__));
+  libraries.back()->impl(op, impl);
+}
+
+// Keeps a C kernel's address in `slot`; the first time, registers the op's C++ implementation `impl`.
+template <typename Kernel, typename Impl>
+void hand_over(Kernel &slot, int64_t address, const char *op, Impl impl) {
+  const bool first = slot == nullptr;
+  slot = reinterpret_cast<Kernel>(address);
+  if (first) register_cpu(op, impl);  // else registered already; the new address serves
 }
 
 // The op `name`'s C kernel is at `address`: keep it and register the C++ implementation for CPU tensors.
 void set_cpu_kernel(const std::string &name, int64_t address) {
   TORCH_CHECK(address != 0, "set_cpu_kernel: a null address");
-  bool first;
-  if (name == "quantized_linear") {
-    first = linear_kernel == nullptr;
-    linear_kernel = reinterpret_cast<LinearKernel>(address);
-  } else if (name == "dense_decode_attention") {
-    first = dense_kernel == nullptr;
-    dense_kernel = reinterpret_cast<DenseKernel>(address);
-  } else if (name == "merge_segments") {
-    first = merge_kernel == nullptr;
-    merge_kernel = reinterpret_cast<MergeKernel>(address);
-  } else if (name == "top_positions") {
-    first = rank_kernel == nullptr;
-    rank_kernel = reinterpret_cast<RankKernel>(address);
-  } else if (name == "lowbit_partial_attention") {
-    first = lowbit_kernel == nullptr;
-    lowbit_kernel = reinterpret_cast<LowbitKernel>(address);
-  } else if (name == "lowbit_partial_attention_int8") {
-    first = lowbit_int8_kernel == nullptr;
-    lowbit_int8_kernel = reinterpret_cast<LowbitKernel>(address);
-  } else {
-    TORCH_CHECK(false, "set_cpu_kernel: no C++ implementation of ", name);
-  }
-  if (!first) return;  // registered already; the new address serves
-  auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "specache", c10::DispatchKey::CPU, __FILE__, __LINE__);
+  const char *op = name.c_str();
   if (name == "quantized_linear")
-    library->impl("quantized_linear", &quantized_linear);
+    hand_over(linear_kernel, address, op, &quantized_linear);
   else if (name == "dense_decode_attention")
-    library->impl("dense_decode_attention", &dense_decode_attention);
+    hand_over(dense_kernel, address, op, &dense_decode_attention);
   else if (name == "merge_segments")
-    library->impl("merge_segments", &merge_segments);
+    hand_over(merge_kernel, address, op, &merge_segments);
   else if (name == "top_positions")
-    library->impl("top_positions", &top_positions);
+    hand_over(rank_kernel, address, op, &top_positions);
   else if (name == "lowbit_partial_attention")
-    library->impl("lowbit_partial_attention", &lowbit_partial_attention<false>);
+    hand_over(lowbit_kernel, address, op, &lowbit_partial_attention<false>);
+  else if (name == "lowbit_partial_attention_int8")
+    hand_over(lowbit_int8_kernel, address, op, &lowbit_partial_attention<true>);
   else
-    library->impl("lowbit_partial_attention_int8", &lowbit_partial_attention<true>);
-  registrations().push_back(std::move(library));
+    TORCH_CHECK(false, "set_cpu_kernel: no C++ implementation of ", name);
 }
 
 // specache::step_attention's C++ implementation, for CPU tensors, once the kernels it runs are handed over (and
@@ -587,9 +577,7 @@ void set_cpu_kernel(const std::string &name, int64_t address) {
 bool enable_step_attention() {
   static bool registered = false;
   if (registered || !(lowbit_kernel && merge_kernel && rank_kernel)) return registered;
-  auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "specache", c10::DispatchKey::CPU, __FILE__, __LINE__);
-  library->impl("step_attention", &step_attention);
-  registrations().push_back(std::move(library));
+  register_cpu("step_attention", &step_attention);
   return registered = true;
 }
 

@@ -28,9 +28,7 @@ unprofiled run. Prints one markdown table, and writes it to {out}/profile.md (an
 """
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -39,6 +37,7 @@ import torch._inductor.config as inductor_config
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from checkpoint import load_model, prepare_default_checkpoint  # noqa: E402
 from scripts.bench import prompt_of_length  # noqa: E402
+from scripts.bench_step_op import step_ms  # noqa: E402
 from scripts.harness import Runner, method_argument, write_report  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
@@ -74,15 +73,7 @@ def part_of(name: str) -> str:
 
 def profile(runner: Runner, method: str, prompt: list[int], prefilled, steps: int) -> dict:
     runner.decode(method, prompt, prefilled, 4)  # compiles
-    times = []
-    runner.decode(
-        method,
-        prompt,
-        prefilled,
-        steps + 1,
-        callback=lambda tokens: times.append(time.perf_counter()),
-    )
-    step_ms = 1e3 * statistics.median(b - a for a, b in zip(times, times[1:]))
+    step = step_ms(runner, method, prompt, prefilled, steps)
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
 
     def start_at_first_token(tokens) -> None:  # the prompt's ingestion and the bootstrap stay out
@@ -96,8 +87,8 @@ def profile(runner: Runner, method: str, prompt: list[int], prefilled, steps: in
         part = part_of(event.key)
         if part:
             parts[part] += event.self_cpu_time_total / 1e3 / steps  # ms per step
-    parts["dispatch"] = max(0.0, step_ms - sum(parts.values()))
-    return dict(step=step_ms, **parts)
+    parts["dispatch"] = max(0.0, step - sum(parts.values()))
+    return dict(step=step, **parts)
 
 
 def main() -> None:
