@@ -1327,8 +1327,11 @@ def step_attention_reference(
             n_spec,
         )
     prefetch = slice(n_sinks, n_sinks + n_spec)
-    out_k, out_v, out_pos = seg.fetched_k.clone(), seg.fetched_v.clone(), seg.fetched_pos.clone()
-    out_valid = fetched_valid.clone()  # the other slots' validity stays (exact_slots reads it)
+    out_k, out_v, out_pos, out_valid = (
+        x.clone(memory_format=torch.contiguous_format)
+        # the other slots' validity stays as it was (exact_slots reads it)
+        for x in (seg.fetched_k, seg.fetched_v, seg.fetched_pos, fetched_valid)
+    )
     out_k[:, :, prefetch] = gather_pairs(store_k, kappa_pos).to(out_k.dtype)
     out_v[:, :, prefetch] = gather_pairs(store_v, kappa_pos).to(out_v.dtype)
     out_pos[:, :, prefetch] = kappa_pos
@@ -1353,12 +1356,12 @@ def _(rows, *args):
     fetched_k, fetched_v, fetched_pos, fetched_valid = args[10:14]
     n_picks, n_spec = args[21], args[25]
     b, h = fetched_pos.shape[:2]
-    return (
-        torch.empty_like(rows),
-        torch.empty_like(fetched_k),
-        torch.empty_like(fetched_v),
-        torch.empty_like(fetched_pos),
-        torch.empty_like(fetched_valid),
+    return (  # contiguous, as the kernel's outputs are, whatever the inputs' strides
+        rows.new_empty(rows.shape),
+        fetched_k.new_empty(fetched_k.shape),
+        fetched_v.new_empty(fetched_v.shape),
+        fetched_pos.new_empty(fetched_pos.shape),
+        fetched_valid.new_empty(fetched_valid.shape),
         fetched_valid.new_empty(b, h, n_picks),
         fetched_pos.new_empty(b, h, n_spec),
         fetched_valid.new_empty(b, h, n_spec),
@@ -1820,7 +1823,8 @@ class SpeCacheLayer(nn.Module):
         b, n_heads, s, d = q.shape
         rows = query_rows(q, k.shape[1])
         discard = self.prefetch_missed(q) if self.correcting and keep else None
-        if isinstance(self.tier, RamTier) and self.probe is None:
+        # RamTier itself: a subclass may read or count in its own way, op by op
+        if type(self.tier) is RamTier and self.probe is None:
             out, kappa = self.step_in_ram(rows, k, v, discard)
         else:
             out, kappa = self.step_in_parts(rows, k, v, keep, discard)

@@ -367,6 +367,9 @@ StepResult step_attention(const at::Tensor &rows_in, const at::Tensor &k_packed,
   fusable = fusable && new_v_in.scalar_type() == new_type &&
             (new_type == at::kFloat || new_type == at::kBFloat16 || new_type == at::kHalf);
   fusable = fusable && fetched_v.sizes() == fetched_k.sizes() && store_v_in.sizes() == store_k_in.sizes() &&
+            window_v_in.sizes() == window_k_in.sizes() && new_v_in.sizes() == new_k_in.sizes() &&
+            store_k_in.size(2) >= 1 && window_len_in.sizes() == quantized_len_in.sizes() &&
+            window_len_in.scalar_type() == at::kLong &&
             fetched_pos.sizes() == at::IntArrayRef({b, h, slots}) && fetched_pos.scalar_type() == at::kLong &&
             fetched_valid.sizes() == fetched_pos.sizes() && fetched_valid.scalar_type() == at::kBool &&
             (pair_type == at::kFloat || pair_type == at::kBFloat16 || pair_type == at::kHalf);
@@ -503,7 +506,9 @@ StepResult step_attention(const at::Tensor &rows_in, const at::Tensor &k_packed,
     if (n_picks) {
       int64_t *index = picks.data_ptr<int64_t>() + bh * n_picks;
       bool *valid = picked.data_ptr<bool>() + bh * n_picks, *fits = placed.data_ptr<bool>() + bh * n_picks;
-      if (merge_head(bh, bi, hi) || rank_head(bh, bi, 0, 0, qlen + bi, slots, n_picks, index, valid)) failed = 1;
+      // a kernel that fails leaves nothing to go on with: this head stops, and the call raises below
+      if (merge_head(bh, bi, hi) || rank_head(bh, bi, 0, 0, qlen + bi, slots, n_picks, index, valid))
+        return void(failed = 1);
       const int64_t first = discard.defined() && discard.data_ptr<bool>()[bh] ? n_sinks : n_sinks + n_spec;
       for (int64_t r = 0; r < n_picks; r++) fits[r] = valid[r] && r < slots - first;
       for (int64_t j = first; j < slots; j++) {
@@ -514,11 +519,12 @@ StepResult step_attention(const at::Tensor &rows_in, const at::Tensor &k_packed,
       }
       drop_head(bh, index, fits);
     }
-    if (merge_head(bh, bi, hi)) failed = 1;
+    if (merge_head(bh, bi, hi)) return void(failed = 1);
     if (n_spec) {
       int64_t *kappa = kappa_pos.data_ptr<int64_t>() + bh * n_spec;
       bool *real = kappa_valid.data_ptr<bool>() + bh * n_spec;
-      if (rank_head(bh, bi, s - 1, n_sinks, selectable_len.data_ptr<int64_t>() + bi, 0, n_spec, kappa, real)) failed = 1;
+      if (rank_head(bh, bi, s - 1, n_sinks, selectable_len.data_ptr<int64_t>() + bi, 0, n_spec, kappa, real))
+        return void(failed = 1);
       bool *valid_out = out_valid.data_ptr<bool>() + bh * slots;
       for (int64_t i = 0; i < n_spec; i++) {
         copy_pair(bh, n_sinks + i, kappa[i]);
@@ -572,11 +578,12 @@ void set_cpu_kernel(const std::string &name, int64_t address) {
     TORCH_CHECK(false, "set_cpu_kernel: no C++ implementation of ", name);
 }
 
-// specache::step_attention's C++ implementation, for CPU tensors, once the kernels it runs are handed over (and
-// kernels/cpu_ops.py has registered its reference as specache_plain::step_attention); false until then.
+// specache::step_attention's C++ implementation, for CPU tensors, once the kernels it runs are handed over and
+// kernels/cpu_ops.py has registered its reference as specache_plain::step_attention (the fallback); false until then.
 bool enable_step_attention() {
   static bool registered = false;
-  if (registered || !(lowbit_kernel && merge_kernel && rank_kernel)) return registered;
+  const bool fallback = c10::Dispatcher::singleton().findSchema({"specache_plain::step_attention", ""}).has_value();
+  if (registered || !(lowbit_kernel && merge_kernel && rank_kernel && fallback)) return registered;
   register_cpu("step_attention", &step_attention);
   return registered = true;
 }

@@ -13,7 +13,11 @@ summed over the steps and divided by them, goes into a part:
   weights        the quantized Linears' op (kernels/linear_cpu.c); float weights are fused into
                  inductor's kernels and count under "other compiled kernels"
   full-cache attention   the full cache's decode attention (kernels/dense_cpu.c)
-  low-bit read   SpeCache's pass over the 1-bit copy (kernels/lowbit_cpu.c)
+  SpeCache attention, one op   a layer's whole SpeCache attention with its slow tier in RAM
+                 (specache::step_attention, kernels/cpu_ops.cpp: the four parts below in one
+                 call, which the profiler does not split)
+  low-bit read   SpeCache's pass over the 1-bit copy (kernels/lowbit_cpu.c), where it runs
+                 op by op (a slow tier on disk, or the profile of an older step)
   16-bit pairs and merge   SpeCache's attention over its fetched pairs, window and new rows, merged
                  with the low-bit pass (kernels/dense_cpu.c's merge_segments; matmuls elsewhere)
   choice and top-k   SpeCache's ranking of positions and top-k (kernels/rank_cpu.c; torch's topk
@@ -47,6 +51,7 @@ PARTS = [
         ("specache::quantized_linear", "aten::_weight_int8pack_mm", "specache::int4_matmul"),
     ),
     ("full-cache attention", ("specache::dense_decode_attention",)),
+    ("SpeCache attention, one op", ("specache::step_attention",)),
     (
         "low-bit read",
         ("specache::lowbit_partial_attention", "specache::lowbit_partial_attention_int8"),

@@ -399,8 +399,8 @@ def page() -> str:
         "about ten calls and a dozen compiled loops. Alternated with the same layers op by op in "
         "one process (the first table): eager, 1.5-1.7x faster steps; compiled, no change, since "
         "inductor's graph already ran the small ops cheaply and what is left is the C kernels' own "
-        "time. Eager SpeCache went from 0.41x and 0.46x the full cache at 1k and 4k to 0.57x and "
-        "0.59x (0.70x at 16k; 0.58-0.80x with the integer pass). Single rows of runs on other "
+        "time. Eager SpeCache now decodes at 0.57x, 0.59x and 0.70x the full cache at 1k, 4k and "
+        "16k (0.58-0.80x with the integer pass). Single rows of runs on other "
         "days move by 10-30% with this shared box's load: compare ratios within one table.\n"
     )
     parts += [section(*entry, level=3) for entry in STEP]

@@ -219,6 +219,19 @@ def test_too_few_picks_for_the_slots_is_an_error():
         torch.ops.specache.step_attention(*step_problem(n_picks=6))
 
 
+@pytest.mark.parametrize("broken", ["window_v", "window_len"])
+def test_mismatched_inputs_are_refused_not_read_past(broken):
+    """A window whose values are one position short, or one window length for two sequences:
+    the kernel would read past them; the call goes to the definition, which refuses."""
+    args = list(step_problem())
+    if broken == "window_v":
+        args[16] = args[16][:, :, :-1]
+    else:
+        args[17] = args[17][:1]
+    with pytest.raises((ValueError, RuntimeError)):
+        torch.ops.specache.step_attention(*args)
+
+
 def test_shapes_the_kernels_do_not_take_go_to_the_reference():
     """Head dim 8 (the low-bit kernel wants multiples of 16): the definition answers, op by op."""
     args = step_problem(d=8)
@@ -227,6 +240,37 @@ def test_shapes_the_kernels_do_not_take_go_to_the_reference():
     expected = specache.step_attention_reference(*args)
     for a, b in zip(torch.ops.specache.step_attention(*args), expected):
         assert torch.equal(a, b)
+
+
+def strided(x):
+    """x's values in a tensor whose last two dimensions are transposed in memory."""
+    return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def test_the_op_passes_torch_library_opcheck():
+    """The schema, the fake (shapes, dtypes and strides of the outputs) and the dispatch under
+    AOT, on contiguous inputs and on strided rows and slots."""
+    args = list(step_problem())
+    torch.library.opcheck(torch.ops.specache.step_attention.default, tuple(args))
+    args[0], args[11], args[12] = strided(args[0]), strided(args[11]), strided(args[12])
+    torch.library.opcheck(torch.ops.specache.step_attention.default, tuple(args))
+
+
+def test_a_compiled_graph_around_the_op_takes_strided_inputs():
+    """The fake's outputs are contiguous, as the kernel's are, whatever the inputs' strides: a
+    fake that copied the rows' strides failed inductor's stride assertion."""
+    args = list(step_problem())
+    args[0], args[11] = strided(args[0]), strided(args[11])
+
+    def around(*args):
+        out, fetched_k = torch.ops.specache.step_attention(*args)[:2]
+        return out * 2 + 1, fetched_k.float() + 1
+
+    expected = around(*args)
+    with without_fallback():
+        compiled = torch.compile(around, fullgraph=True)(*args)
+    for a, b in zip(expected, compiled):
+        torch.testing.assert_close(a, b)
 
 
 def test_the_op_under_torch_compile_matches_eager():
