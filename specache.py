@@ -1088,6 +1088,44 @@ def place_picks(picks: Tensor, slots: Tensor, first: Tensor) -> Tensor:
     return torch.where(taken, picks.gather(2, index), slots)
 
 
+def take_picks(
+    part: LowBitPart,
+    kv: LowBitKV,
+    seg: Segments,
+    picks: Tensor,
+    placed: Tensor,
+    pair_k: Tensor,
+    pair_v: Tensor,
+    first: Tensor,
+) -> tuple[LowBitPart, Segments]:
+    """The real row's picks (B, Hkv, P) in the slots from `first` on (`place_picks`), with their
+    pairs pair_k, pair_v (B, Hkv, P, D) and as valid as `placed` says; the placed ones leave the
+    low-bit segment (`drop_from_lowbit`)."""
+    seg = seg._replace(
+        fetched_k=place_picks(pair_k.to(seg.fetched_k.dtype), seg.fetched_k, first),
+        fetched_v=place_picks(pair_v.to(seg.fetched_v.dtype), seg.fetched_v, first),
+        fetched_pos=place_picks(picks, seg.fetched_pos, first),
+        fetched_valid=place_picks(placed, seg.fetched_valid, first),
+    )
+    return drop_from_lowbit(part, kv, picks, placed), seg
+
+
+def prefetch_positions(
+    part: LowBitPart,
+    merged: Merged,
+    seg: Segments,
+    gqa: str,
+    lower: int,
+    upper: Tensor,
+    k: int,
+) -> tuple[Tensor, Tensor]:
+    """kappa_{t+1}: the k positions the last new row (the speculative one, or T1) weighs most, per
+    KV head, among lower <= t < upper[b] (`top_positions`, nothing excluded)."""
+    s = seg.new_k.shape[2]
+    nothing = seg.fetched_pos.new_empty(seg.fetched_pos.shape[:2] + (0,))
+    return top_positions(part, merged, seg, s, s - 1, gqa, lower, upper, nothing, nothing.bool(), k)
+
+
 # --- prefill over a history ------------------------------------------------------------------
 # A prompt's chunk, or a conversation's next turn, attends over what the cache holds already:
 # exactly, from the slow tier, in blocks (prefill is bound by compute, and one block at a time is
@@ -1299,32 +1337,13 @@ def step_attention_reference(
         )
         first = first_pick_slot(fetched_pos, n_sinks, n_spec, discard)
         placed = valid & picks_placed(n_picks, fetched_pos.shape[-1], first)
-        seg = seg._replace(
-            fetched_k=place_picks(
-                gather_pairs(store_k, picks).to(fetched_k.dtype), fetched_k, first
-            ),
-            fetched_v=place_picks(
-                gather_pairs(store_v, picks).to(fetched_v.dtype), fetched_v, first
-            ),
-            fetched_pos=place_picks(picks, fetched_pos, first),
-            fetched_valid=place_picks(placed, exact, first),
-        )
-        part = drop_from_lowbit(part, kv, picks, placed)
+        pairs = gather_pairs(store_k, picks), gather_pairs(store_v, picks)
+        part, seg = take_picks(part, kv, seg, picks, placed, *pairs, first)
     merged = merge_segments(rows, part, seg)
     kappa_pos, kappa_valid = nothing, nothing.bool()
     if n_spec:
-        kappa_pos, kappa_valid = top_positions(
-            part,
-            merged,
-            seg,
-            s,
-            s - 1,
-            gqa,
-            n_sinks,
-            selectable_len,
-            nothing,
-            nothing.bool(),
-            n_spec,
+        kappa_pos, kappa_valid = prefetch_positions(
+            part, merged, seg, gqa, n_sinks, selectable_len, n_spec
         )
     prefetch = slice(n_sinks, n_sinks + n_spec)
     out_k, out_v, out_pos, out_valid = (
@@ -1667,7 +1686,6 @@ class SpeCacheLayer(nn.Module):
         self.picks = k if self.correcting else self.k_real  # a head that discards its prefetch
         slots = self.n_sinks + k
         self.spec_slots = slice(self.n_sinks, self.n_sinks + self.k_spec)
-        self.real_slots = slice(self.n_sinks + self.k_spec, slots)
 
         def fast(name, *shape, dtype=dtype):
             buffer = torch.zeros(shape, dtype=dtype, device=device)
@@ -1899,20 +1917,8 @@ class SpeCacheLayer(nn.Module):
             self.probe.observe(self, rows, seg, s)
         if not self.k_spec:
             return merged.out, None
-        # the last row (the speculative one, or T1) chooses kappa_{t+1}
-        nothing = seg.fetched_pos[..., :0]
-        kappa = top_positions(
-            part,
-            merged,
-            seg,
-            s,
-            s - 1,
-            sel.gqa,
-            self.n_sinks,
-            state.selectable_len,
-            nothing,
-            nothing.bool(),
-            self.k_spec,
+        kappa = prefetch_positions(
+            part, merged, seg, sel.gqa, self.n_sinks, state.selectable_len, self.k_spec
         )
         return merged.out, self.choose_prefetch(*kappa)
 
@@ -1951,13 +1957,13 @@ class SpeCacheLayer(nn.Module):
             )
         first = first_pick_slot(seg.fetched_pos, self.n_sinks, self.k_spec, discard)
         valid = valid & picks_placed(self.picks, seg.fetched_pos.shape[-1], first)
-        pair_k, pair_v = self.tier.read(picks, valid)
-        self.fetched_k.copy_(place_picks(pair_k.to(self.fetched_k.dtype), self.fetched_k, first))
-        self.fetched_v.copy_(place_picks(pair_v.to(self.fetched_v.dtype), self.fetched_v, first))
-        self.fetched_pos.copy_(place_picks(picks, self.fetched_pos, first))
+        pairs = self.tier.read(picks, valid)
+        part, seg = take_picks(part, self.lowbit(), seg, picks, valid, *pairs, first)
+        self.fetched_k.copy_(seg.fetched_k)
+        self.fetched_v.copy_(seg.fetched_v)
+        self.fetched_pos.copy_(seg.fetched_pos)
         self.pairs_read += valid.sum()
-        part = drop_from_lowbit(part, self.lowbit(), picks, valid)
-        return part, seg._replace(fetched_valid=place_picks(valid, seg.fetched_valid, first))
+        return part, seg
 
     def choose_prefetch(self, kappa_pos: Tensor, kappa_valid: Tensor) -> Kappa:
         """kappa_{t+1}: the last row's top-k_spec positions (B, Hkv, k_spec), among those
