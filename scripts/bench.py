@@ -56,7 +56,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -66,7 +66,7 @@ from caches import full_cache_step_bytes  # noqa: E402
 from generation import weight_bytes  # noqa: E402
 from config import ModelArgs, transformer_configs  # noqa: E402
 from model import Transformer  # noqa: E402
-from quantize import Int8Linear, replace_linears  # noqa: E402
+from quantize import Int4Linear, Int8Linear, pack_int4, replace_linears  # noqa: E402
 from checkpoint import find_default_gguf, prepare_default_checkpoint  # noqa: E402
 from scripts.harness import RESULTS_DIR, Runner, method_argument, write_report  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
@@ -84,26 +84,37 @@ LLAMA_CPP = "llama.cpp, f16 KV"
 
 
 def random_model(
-    name: str, device: torch.device, dtype: torch.dtype, int8: bool = False
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    weights: Optional[str] = None,
+    groupsize: int = 128,
 ) -> Transformer:
-    """A model of `name`'s shape with random weights (speed only). `int8`: int8 Linears (as
-    quantize.py makes), built without ever holding the float weights, so that a Llama-3-8B shape
-    fits in 9 GB; their scales keep activations at unit scale."""
-    if not int8:
+    """A model of `name`'s shape with random weights (speed only). `weights` "int8" or "int4" (of
+    `groupsize`): quantized Linears (as quantize.py makes), built without ever holding the float
+    weights, so that a Llama-3-8B shape fits in 9 GB (int8) or 5 GB (int4); their scales keep
+    activations at unit scale."""
+    if weights is None:
         with torch.device(device):
             model = Transformer(ModelArgs.from_name(name))
         return model.to(dtype).eval()
     with torch.device("meta"):
         model = Transformer(ModelArgs.from_name(name))
-    replace_linears(model, "int8")
+    replace_linears(model, weights, groupsize)
     model = model.to_empty(device=device).to(dtype)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, Int8Linear):
                 module.weight.random_(-127, 128)
                 module.scales.fill_(1 / (73 * module.in_features**0.5))  # codes' std is 73
+            elif isinstance(module, Int4Linear):
+                module.weight.random_(0, 256)
+                # codes 0..15 centred on 7.5 (std 4.6)
+                module.scales.fill_(1 / (4.6 * module.in_features**0.5))
+                module.zeros.copy_(-7.5 * module.scales)
         for name, p in model.named_parameters():
             p.fill_(1.0) if "norm" in name else p.normal_()
+    pack_int4(model)
     return model.eval()
 
 

@@ -456,7 +456,7 @@ def main() -> None:
         print(markdown)
         write_report(args.out, "layout", markdown, dict(table=markdown))
         return
-    model = random_model(args.model, torch.device("cpu"), getattr(torch, args.dtype), int8=True)
+    model = random_model(args.model, torch.device("cpu"), getattr(torch, args.dtype), "int8")
     print(
         f"{args.model} shape, random int8 weights: {weight_bytes(model) / 1e9:.2f} GB; resident "
         f"{resident_bytes() / 1e9:.2f} GB; read bandwidth {measure_read_bandwidth():.1f} GB/s",
