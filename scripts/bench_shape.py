@@ -53,7 +53,7 @@ from caches import make_cache  # noqa: E402
 from config import ModelArgs, transformer_configs  # noqa: E402
 from generation import GenerateOptions, compile_decode, generate, weight_bytes  # noqa: E402
 from scripts.bench import full_cache_bytes, random_model, release_caches  # noqa: E402
-from scripts.bench_disk import fill, try_full_cache  # noqa: E402
+from scripts.bench_disk import fill  # noqa: E402
 from scripts.bench_peers import (  # noqa: E402
     bench_llama_cpp_at_length,
     llama_cpp_available,
@@ -66,7 +66,29 @@ METHODS = ["full", "specache-1bit", "specache-1bit:paper"]
 WARMUP = 3  # steps before timing: the first ones compile
 GGUF_WEIGHTS = {"int4": "q4_0", "int8": "q8_0"}
 FULL = "full"
+# RAM left beside a 16-bit cache for the rest: the low-bit copy (1.6 GB at 128k), activations, and
+# the transient buffers of filling a layer (2.5 GB at 128k)
+HEADROOM = 4e9
 PEER = "llama.cpp, f16 KV"
+
+
+def available_memory() -> int:
+    with open("/proc/meminfo") as f:
+        return int(next(line for line in f if line.startswith("MemAvailable:")).split()[1]) * 1024
+
+
+def fits_in_ram(model, length: int) -> tuple[bool, str]:
+    """Whether a 16-bit cache of `length` positions fits in the RAM available beside the model (the
+    full cache, or SpeCache's slow tier in RAM), with HEADROOM to spare; and why."""
+    c = model.config
+    cache = 2 * c.n_layer * c.n_local_heads * c.head_dim * length * 2
+    available = available_memory()
+    verdict = "fits" if cache + HEADROOM <= available else "does not fit"
+    why = (
+        f"the 16-bit cache ({cache / 1e9:.1f} GB) {verdict} in the {available / 1e9:.1f} GB of RAM "
+        f"available beside the weights with {HEADROOM / 1e9:.0f} GB to spare"
+    )
+    return verdict == "fits", why
 
 
 def run_ours(
@@ -216,7 +238,11 @@ def main() -> None:
             write_random_gguf(ModelArgs.from_name(args.model), gguf, GGUF_WEIGHTS[args.weights])
         for length in args.lengths:
             for kv_type in kv_types:
-                report(run_llama_cpp(gguf, length, args.steps, kv_type, scratch))
+                try:
+                    report(run_llama_cpp(gguf, length, args.steps, kv_type, scratch))
+                except RuntimeError as error:  # such as its KV cache not fitting in memory
+                    notes.append(f"- {error}")
+                    print(notes[-1], file=sys.stderr)
         if gguf.exists():
             gguf.unlink()
 
@@ -224,8 +250,8 @@ def main() -> None:
             args.model, torch.device("cpu"), torch.bfloat16, args.weights, args.groupsize
         )
         # whether the 16-bit cache fits in RAM beside the weights, per length
-        fits = {length: try_full_cache(model, length) for length in args.lengths}
-        in_ram = {length: "beside the weights" in fits[length] for length in args.lengths}
+        fits = {length: fits_in_ram(model, length) for length in args.lengths}
+        in_ram = {length: fits[length][0] for length in args.lengths}
         if not args.eager:  # the disk tier hands its reads over at graph breaks between blocks
             compile_decode(model, fullgraph=all(in_ram.values()))
         print(
@@ -236,7 +262,7 @@ def main() -> None:
         )
         for length in args.lengths:
             if not in_ram[length]:
-                notes.append(f"- {length} tokens: {fits[length]}; SpeCache's slow tier on disk.")
+                notes.append(f"- {length} tokens: {fits[length][1]}: SpeCache's slow tier on disk.")
             for method in args.methods:
                 if method != FULL or in_ram[length]:
                     disk_dir = None if in_ram[length] else scratch
