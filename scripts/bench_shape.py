@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from queue import Empty
 from typing import Optional
 
 import torch
@@ -128,9 +129,11 @@ def run_ours(
     )
 
 
-def llama_cpp_child(gguf: Path, length: int, steps: int, kv_type: str, scratch: str, queue):
+def llama_cpp_child(
+    gguf: Path, length: int, steps: int, kv_type: str, scratch: str, threads: int, queue
+):
     """A child process's row (its memory is the OS's again once it exits)."""
-    torch.set_num_threads(queue.get())
+    torch.set_num_threads(threads)
     try:
         queue.put(bench_llama_cpp_at_length(gguf, length, steps, kv_type, Path(scratch)))
     except Exception as error:  # reported as the row's note by the parent
@@ -140,16 +143,18 @@ def llama_cpp_child(gguf: Path, length: int, steps: int, kv_type: str, scratch: 
 def run_llama_cpp(gguf: Path, length: int, steps: int, kv_type: str, scratch: str) -> dict:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    queue.put(torch.get_num_threads())
+    threads = torch.get_num_threads()
     child = context.Process(
-        target=llama_cpp_child, args=(gguf, length, steps, kv_type, scratch, queue)
+        target=llama_cpp_child, args=(gguf, length, steps, kv_type, scratch, threads, queue)
     )
     child.start()
-    child.join()
-    time.sleep(0.1)  # the queue's feeder thread may still be flushing the row
-    if queue.empty():
-        raise RuntimeError(f"llama.cpp at {length} ({kv_type} KV) died: exit code {child.exitcode}")
-    row = queue.get()
+    child.join()  # a child flushes what it put before it exits
+    try:
+        row = queue.get(timeout=10)
+    except Empty:
+        raise RuntimeError(
+            f"llama.cpp at {length} ({kv_type} KV) died: exit code {child.exitcode}"
+        ) from None
     if isinstance(row, str):
         raise RuntimeError(f"llama.cpp at {length} ({kv_type} KV): {row}")
     kv = "f16 KV" if kv_type == "f16" else f"{kv_type} KV, flash attention"

@@ -129,3 +129,11 @@ def test_table_gives_ratios_to_our_full_cache_and_llama_cpp_f16_of_the_same_cont
     assert "| 2048 | specache-1bit | 67 | 15.00 | 10.0 | 50% | 1 | 1.50x | 1.25x |" in lines
     assert "| 4096 | specache-1bit | 100 | 10.00 | 10.0 | 50% | 1 | 2.00x | - |" in lines
     assert "| 2048 | llama.cpp, f16 KV | 83 | 12.00 | 10.0 | 50% | 1 | 1.20x | 1.00x |" in lines
+
+
+@needs_llama_cpp
+def test_a_failing_llama_cpp_child_becomes_an_error_naming_its_row(tmp_path):
+    from scripts.bench_shape import run_llama_cpp
+
+    with pytest.raises(RuntimeError, match=r"llama.cpp at 300 \(f16 KV\): ValueError"):
+        run_llama_cpp(tmp_path / "missing.gguf", 300, 2, "f16", str(tmp_path))
