@@ -130,7 +130,8 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
         "changes to the paper's rule: split[=share] (that share of k chosen by the real row within "
         "the step, default 0.5), gqa-max, correct[=cosine] (re-choose a head's k when its query "
         "moved, default 0.9), sinks[=n] (first n positions exact, default 4), lloyd (1-bit levels "
-        "at the group's half means), lookup (prompt-lookup speculative token), reuse (count only "
+        "at the group's half means), midway (1-bit key levels halfway between lloyd's and the "
+        "paper's, values lloyd's), lookup (prompt-lookup speculative token), reuse (count only "
         "pairs not held already), oracle (diagnostics: exact top-k from the slow tier); see "
         "specache.py and docs/RESULTS.md",
     )

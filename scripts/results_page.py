@@ -293,6 +293,28 @@ QWEN_SUMMARY = (
     "cache's answers and every 1-bit method loses one, at 16k every method finds the same one. "
     "A needle this model retrieves, and RULER, come next.\n"
 )
+STUDY_SUMMARY = (
+    "## The copy's choice, step by step\n\nscripts/selection_study.py "
+    "(docs/evaluation.md#accuracy): each model's own decode queries on RULER samples, recorded "
+    "with the full cache; every 4th step recomputed with the k exact positions chosen by the "
+    "1-bit copy, by the exact top-k (an oracle) or none (KIVI), for each 1-bit level rule. "
+    "'error' is the attention output's relative error, 'coverage' the share of the exact "
+    "attention read exactly. The copy's coverage against the oracle's is what the ranking "
+    "leaves.\n"
+)
+STUDY = [
+    (
+        f"selection/study/{folder}/selection_study",
+        title,
+        "scripts/selection_study.py ...",
+        "One sample per task; means over steps, full-attention layers and samples.",
+    )
+    for folder, title in (
+        ("smollm2", "SmolLM2-135M-Instruct at 4k"),
+        ("qwen2.5-0.5b", "Qwen2.5-Coder-0.5B-Instruct at 8k"),
+        ("gemma3", "Gemma-3-270M at 16k"),
+    )
+]
 # Measured before the default selection changed: their `specache-Nbit` rows are the paper's rule.
 SECTIONS = [
     (
@@ -474,6 +496,8 @@ def page() -> str:
     parts += [section(*entry, level=3) for entry in SHAPE]
     parts.append(QWEN_SUMMARY)
     parts += [section(*entry, level=3) for entry in QWEN]
+    parts.append(STUDY_SUMMARY)
+    parts += [section(*entry, level=3) for entry in STUDY]
     parts.append(
         "## Before the selection changed\n\nThe sections below were measured before the default "
         "selection changed: their `specache-1bit` and `specache-2bit` rows are the paper's rule, "

@@ -27,8 +27,12 @@ def fake_quant(x, bits, levels, scale_dtype):
         n_low = x.shape[-1] - n_up
         low_mean = torch.where(~upper, x, 0).sum(-1, keepdim=True) / n_low.clamp(min=1)
         up_mean = torch.where(upper, x, 0).sum(-1, keepdim=True) / n_up.clamp(min=1)
-        zero = torch.where(n_low > 0, low_mean, m)
-        scale = torch.where(n_up > 0, up_mean, M) - zero
+        low_level = torch.where(n_low > 0, low_mean, m)
+        up_level = torch.where(n_up > 0, up_mean, M)
+        if levels == "midway":  # each level halfway to the paper's (m + range/4, m + 3 range/4)
+            low_level = (low_level + m + (M - m) / 4) / 2
+            up_level = (up_level + m + 3 * (M - m) / 4) / 2
+        zero, scale = low_level, up_level - low_level
     zero, scale = zero.to(scale_dtype).float(), scale.to(scale_dtype).float()
     code = torch.floor((x - zero) / scale + 0.5).clamp(0, 2**bits - 1)
     code = torch.where(scale > 0, code, torch.zeros_like(code))
@@ -105,7 +109,10 @@ class RefLayerCache(nn.Module):
             ).transpose(1, 2)
             gv = min(g, D)
             self.Vd[b, :, j : j + g] = fake_quant(
-                Vg.reshape(n_kv, g, D // gv, gv), cfg.bits, cfg.levels, self.dec.scale_dtype
+                Vg.reshape(n_kv, g, D // gv, gv),
+                cfg.bits,
+                "lloyd" if cfg.levels == "midway" else cfg.levels,  # midway is for keys only
+                self.dec.scale_dtype,
             ).reshape(n_kv, g, D)
             self.n_quantized[b] = j + g
 

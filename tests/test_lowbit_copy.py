@@ -272,6 +272,16 @@ def test_lloyd_levels_are_the_means_of_the_two_halves_and_fit_better():
     )
 
 
+def test_midway_levels_are_halfway_between_lloyd_and_the_paper_for_keys_only():
+    # m = -2, M = 6: the paper's levels 0 and 4; Lloyd's -0.2002 and 4.5 (as above)
+    x = torch.tensor([[-2.0, -1.0, 0.0, 0.999, 1.0, 3.0, 6.0]])
+    codes, scale, zero = quantize_groups(x, 1, -1, torch.float32, "midway")
+    assert zero.item() == pytest.approx((-1.001 / 5 + 0.0) / 2)
+    assert (scale + zero).item() == pytest.approx((4.5 + 4.0) / 2)
+    assert codes.tolist() == [[0, 0, 0, 0, 0, 1, 1]]
+    # (a layer's keys midway, values Lloyd: tests/test_reference_decoder.py's "midway" cases)
+
+
 def test_positions_mask_counts_a_position_once_whatever_invalid_slots_repeat():
     """An invalid slot may repeat a valid slot's position (a stale pick): the valid one decides."""
     positions = torch.tensor([[[3, 3, 5, 9]]])

@@ -125,6 +125,8 @@ TINY_CASES = {
     "correct": ("correct", 1, True, 8, False),
     "sinks": ("sinks", 1, True, 8, True),
     "lloyd": ("lloyd", 1, True, 8, False),
+    "midway": ("midway", 1, True, 8, False),
+    "default-midway-fp32pairs": ("default,midway", 1, True, 8, True),
     "lookup": ("lookup", 1, True, 8, True),
     "reuse": ("reuse", 1, True, 8, False),
     "oracle": ("oracle", 1, True, 8, True),

@@ -1,0 +1,313 @@
+"""How well SpeCache's 1-bit copy chooses the exact pairs, measured on a model's own decode queries
+without decoding once per variant.
+
+    python scripts/selection_study.py --checkpoint checkpoints/google/gemma-3-270m/model.pth \
+        --length 16384 --tasks niah_multikey_2 niah_multiquery cwe
+    python scripts/selection_study.py --length 4096 --topk 64 128     # the default model
+
+A task sweep (ruler.py) needs a prefill and a decode per sample and method, and its score moves by
+whole answers. This study isolates the copy: each RULER sample is decoded greedily once with the
+full cache, and a hook on every full-attention layer's cache records the real row's query at each
+step. Then, for every --stride-th step and each such layer, the step's attention is recomputed as
+SpeCache's real row would see it: the sinks, the window, the new token and k chosen positions
+exact, the rest of the quantized span from the 1-bit copy (keys per channel over groups of g
+tokens, values per token, specache.py's quantizer). It is compared with the exact attention:
+
+- error: the relative error of the attention output, |o - o_exact| / |o_exact|, the mean over
+  query heads, steps, layers and samples;
+- coverage: the share of the exact attention that falls on positions read exactly.
+
+Choices of the k positions, all made by the step's own row (no speculation, as split=1):
+- kivi: none (nothing fetched);
+- copy: the k positions of highest weight in the copy, the max over a KV head's query heads (ours);
+- exact top-k (oracle): the k positions of most exact attention, the mean over its query heads.
+
+Each is measured for every 1-bit level rule (--levels: the paper's minmax, Lloyd's, midway; values
+are Lloyd's under midway, as specache.py stores them). The oracle's coverage is the most k
+positions can read. Its error is no floor (with a poor copy the error sits on the positions left
+out), but at Lloyd's levels it is the lowest seen: kivi to copy is what the fetch gives, copy to
+oracle what the ranking leaves.
+
+Writes {out}/selection_study.md and .json (every layer's figures).
+"""
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from checkpoint import load_model, resolve_checkpoint  # noqa: E402
+from scripts.harness import RESULTS_DIR, Runner, wants_chat, write_report  # noqa: E402
+from scripts.ruler import TASKS, make_sample  # noqa: E402
+from tokenizer import get_tokenizer  # noqa: E402
+from specache import (  # noqa: E402
+    LEVELS,
+    dequantize_keys,
+    dequantize_values,
+    quantize_keys,
+    quantize_values,
+)
+
+CHOICES = ("kivi", "copy", "exact top-k (oracle)")
+
+
+class Recorded(NamedTuple):
+    """One full-attention layer's decode: queries (steps, H, D), and K, V (Hkv, N, D) of the prompt
+    and every new token (N = prompt length + steps)."""
+
+    layer: int
+    queries: Tensor
+    keys: Tensor
+    values: Tensor
+
+
+def record_decode(runner: Runner, prompt: list[int], max_new_tokens: int) -> list[Recorded]:
+    """Greedy decode of `prompt` with the full cache, recording each full-attention layer's real
+    queries and new K, V (batch 1)."""
+    model = runner.model
+    prefilled = runner.prefill(prompt, max_new_tokens)
+    full_layers = [i for i, layer in enumerate(model.layers) if layer.attention.window is None]
+    steps = {i: ([], [], []) for i in full_layers}
+    hooks = []
+
+    def hook_caches(token: Tensor) -> None:
+        # the first token comes before the first decode step, with the caches in place
+        if hooks:
+            return
+        for i in full_layers:
+
+            def record(module, args, into=steps[i]):
+                q, k, v = args[:3]
+                for seen, x in zip(into, (q, k, v)):
+                    seen.append(x[0, :, 0].float())
+
+            hooks.append(model.layers[i].attention.kv_cache.register_forward_pre_hook(record))
+
+    try:
+        runner.decode("full", prompt, prefilled, max_new_tokens, callback=hook_caches)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    recorded = []
+    for i in full_layers:
+        queries, keys, values = (torch.stack(x) for x in steps[i])
+        recorder = prefilled.recorders[i]
+        recorded.append(
+            Recorded(
+                i,
+                queries,
+                torch.cat([recorder.k[0].float(), keys.transpose(0, 1)], 1),
+                torch.cat([recorder.v[0].float(), values.transpose(0, 1)], 1),
+            )
+        )
+    return recorded
+
+
+def one_bit_copy(
+    keys: Tensor, values: Tensor, levels: str, group: int, pair_dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """The dequantized 1-bit copy (float32) of keys and values (Hkv, T, D), T a multiple of g."""
+    value_levels = "lloyd" if levels == "midway" else levels
+    k = quantize_keys(keys.to(pair_dtype), 1, group, pair_dtype, levels)
+    v = quantize_values(values.to(pair_dtype), 1, group, pair_dtype, value_levels)
+    return dequantize_keys(*k, 1, group).float(), dequantize_values(*v, 1, group).float()
+
+
+def step_figures(
+    rows: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    copy: tuple[Tensor, Tensor],
+    quantized_len: int,
+    sinks: int,
+    topk: int,
+) -> dict[str, tuple[float, float]]:
+    """(error, coverage) of each choice for one step: rows (Hkv, G, D) scaled by D**-0.5 over keys
+    and values (Hkv, N, D), the copy standing in for positions [sinks, quantized_len)."""
+    n_kv, n = keys.shape[0], keys.shape[1]
+    low = torch.zeros(n, dtype=torch.bool)
+    low[sinks:quantized_len] = True
+    exact_scores = rows @ keys.transpose(-1, -2)  # (Hkv, G, N)
+    copy_scores = exact_scores.clone()
+    copy_scores[..., :quantized_len] = rows @ copy[0][:, :quantized_len].transpose(-1, -2)
+    copy_values = values.clone()
+    copy_values[:, :quantized_len] = copy[1][:, :quantized_len]
+    exact_p = exact_scores.softmax(-1)
+    exact_out = exact_p @ values
+    copy_p = torch.where(low, copy_scores, exact_scores).softmax(-1)
+    rankings = {
+        "copy": copy_p.amax(1),
+        "exact top-k (oracle)": exact_p.mean(1),
+    }
+    figures = {}
+    for choice in CHOICES:
+        read_exactly = (~low).expand(n_kv, n).clone()
+        if choice in rankings and topk > 0 and low.any():
+            k = min(topk, int(low.sum()))
+            picks = rankings[choice].masked_fill(~low, float("-inf")).topk(k, -1).indices
+            read_exactly.scatter_(-1, picks, True)
+        scores = torch.where(read_exactly[:, None], exact_scores, copy_scores)
+        mixed_values = torch.where(read_exactly[..., None], values, copy_values)
+        out = scores.softmax(-1) @ mixed_values
+        error = ((out - exact_out).norm(dim=-1) / exact_out.norm(dim=-1)).mean()
+        coverage = (exact_p * read_exactly[:, None]).sum(-1).mean()
+        figures[choice] = (float(error), float(coverage))
+    return figures
+
+
+def study_layer(
+    rec: Recorded,
+    prompt_len: int,
+    levels: str,
+    topk: int,
+    group: int,
+    residual: int,
+    sinks: int,
+    stride: int,
+    pair_dtype: torch.dtype,
+) -> dict[str, tuple[float, float]]:
+    """A layer's figures per choice, the mean over every stride-th step."""
+    n_kv, head_dim = rec.keys.shape[0], rec.keys.shape[-1]
+    steps = rec.queries.shape[0]
+    last_quantized = max(0, prompt_len + steps - 1 - residual) // group * group
+    copy = one_bit_copy(
+        rec.keys[:, :last_quantized], rec.values[:, :last_quantized], levels, group, pair_dtype
+    )
+    # the exact pairs as SpeCache holds them, in the 16-bit pair dtype
+    keys, values = rec.keys.to(pair_dtype).float(), rec.values.to(pair_dtype).float()
+    sums: dict[str, list[float]] = {choice: [0.0, 0.0] for choice in CHOICES}
+    taken = range(0, steps, stride)
+    for step in taken:
+        history = prompt_len + step  # positions before this step's token, which is at `history`
+        quantized_len = max(0, history - residual) // group * group
+        rows = rec.queries[step].view(n_kv, -1, head_dim) * head_dim**-0.5
+        figures = step_figures(
+            rows,
+            keys[:, : history + 1],
+            values[:, : history + 1],
+            copy,
+            quantized_len,
+            min(sinks, quantized_len),
+            topk,
+        )
+        for choice, (error, coverage) in figures.items():
+            sums[choice][0] += error
+            sums[choice][1] += coverage
+    return {choice: (e / len(taken), c / len(taken)) for choice, (e, c) in sums.items()}
+
+
+def table(results: dict, topks: list[int], levels: list[str]) -> str:
+    lines = [
+        "| levels | k | " + " | ".join(f"{c}: error | coverage" for c in CHOICES) + " |",
+        "|---|---|" + "---|---|" * len(CHOICES),
+    ]
+    for level in levels:
+        for k in topks:
+            per_layer = results[level][str(k)]
+            cells = []
+            for choice in CHOICES:
+                pairs = [layer[choice] for layer in per_layer]
+                error = sum(e for e, _ in pairs) / len(pairs)
+                coverage = sum(c for _, c in pairs) / len(pairs)
+                cells.append(f"{error:.4f} | {100 * coverage:.1f}%")
+            lines.append(f"| {level} | {k} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--length", type=int, default=4096, help="RULER sample length (4096)")
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        default=["niah_multikey_1", "niah_multivalue", "vt"],
+        choices=list(TASKS),
+        metavar="TASK",
+        help="RULER tasks, one sample each (default niah_multikey_1 niah_multivalue vt)",
+    )
+    parser.add_argument("--seed", type=int, default=42, help="as ruler.py's: the same samples")
+    parser.add_argument(
+        "--levels", nargs="+", default=list(LEVELS), choices=LEVELS, help="1-bit level rules"
+    )
+    parser.add_argument("--group", type=int, default=64, help="g (default 64)")
+    parser.add_argument("--residual", type=int, default=64, help="R, the window (default 64)")
+    parser.add_argument("--sinks", type=int, default=4, help="first positions kept exact (4)")
+    parser.add_argument("--stride", type=int, default=4, help="study every n-th step (4)")
+    parser.add_argument(
+        "--topk", type=int, nargs="+", default=[64], help="k values to study (default 64)"
+    )
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="model.pth (default: the embedded SmolLM2-135M-Instruct, prepared offline)",
+    )
+    parser.add_argument(
+        "--prompt_format",
+        choices=("auto", "chat", "completion"),
+        default="auto",
+        help="as ruler.py's (auto: chat for instruct models)",
+    )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS_DIR / "selection" / "study",
+        help="where the report files go (default docs/results/selection/study)",
+    )
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    torch.set_grad_enabled(False)
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    dtype = getattr(torch, args.dtype)
+    model = load_model(checkpoint, torch.device(args.device), dtype)
+    chat = wants_chat(args.prompt_format, checkpoint.parent.name)
+    runner = Runner(model, get_tokenizer(checkpoint.parent), ["full"], chat=chat)
+    pair_dtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
+    results: dict = {level: {str(k): [] for k in args.topk} for level in args.levels}
+    samples = []
+    for task in tqdm(args.tasks, desc="samples", file=sys.stderr):
+        rng = random.Random(f"{args.seed}/{task}/{args.length}")
+        prompt, references, max_new_tokens = make_sample(
+            task, runner.tokenizer, args.length, rng, chat=runner.chat
+        )
+        recorded = record_decode(runner, prompt, max_new_tokens)
+        samples.append(dict(task=task, prompt_tokens=len(prompt), references=references))
+        for rec in recorded:
+            for level in args.levels:
+                for k in args.topk:
+                    figures = study_layer(
+                        rec,
+                        len(prompt),
+                        level,
+                        k,
+                        args.group,
+                        args.residual,
+                        args.sinks,
+                        args.stride,
+                        pair_dtype,
+                    )
+                    results[level][str(k)].append(figures)
+    markdown = (
+        f"{args.checkpoint or 'the default model'}, RULER {' '.join(args.tasks)} at "
+        f"{args.length} tokens (1 sample each), every {args.stride}th decode step of the full "
+        f"cache, g = {args.group}, R = {args.residual}, {args.sinks} sinks. Mean over steps, "
+        f"full-attention layers and samples. Wall-clock {(time.perf_counter() - t0) / 60:.1f} "
+        "min.\n\n" + table(results, args.topk, args.levels)
+    )
+    print(markdown)
+    write_report(args.out, "selection_study", markdown, dict(samples=samples, results=results))
+
+
+if __name__ == "__main__":
+    main()

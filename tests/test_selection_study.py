@@ -1,0 +1,101 @@
+"""scripts/selection_study.py: the decode it records is the one the full cache attended over, and
+its per-step figures behave as their definitions say."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from scripts.harness import Runner
+from scripts.ruler import make_sample
+from scripts.selection_study import CHOICES, one_bit_copy, record_decode, step_figures
+from tokenizer import get_tokenizer
+
+
+def random_step(seed: int, n_kv: int = 2, groups: int = 3, n: int = 300, d: int = 32):
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randn(n_kv, groups, d, generator=generator) * 0.6
+    keys = torch.randn(n_kv, n, d, generator=generator)
+    keys[:, 100:103] += 3 * rows[:, 0, None]  # a few positions the rows attend to strongly
+    values = torch.randn(n_kv, n, d, generator=generator)
+    return rows, keys, values
+
+
+def test_figures_follow_their_definitions():
+    rows, keys, values = random_step(0)
+    quantized_len = 256
+    copy = one_bit_copy(keys[:, :quantized_len], values[:, :quantized_len], "lloyd", 64, torch.half)
+    figures = step_figures(rows, keys, values, copy, quantized_len, 4, topk=16)
+    assert set(figures) == set(CHOICES)
+    kivi, ranked, oracle = (figures[c] for c in CHOICES)
+    # fetching helps; the exact top-k covers the most exact attention k positions can
+    assert oracle[1] >= ranked[1] > kivi[1] and ranked[0] < kivi[0]
+    # kivi, spelled out: the copy below quantized_len but the sinks, one softmax, per query head
+    mixed_k = torch.cat([keys[:, :4], copy[0][:, 4:quantized_len], keys[:, quantized_len:]], 1)
+    mixed_v = torch.cat([values[:, :4], copy[1][:, 4:quantized_len], values[:, quantized_len:]], 1)
+    out = F.scaled_dot_product_attention(rows, mixed_k, mixed_v, scale=1.0)
+    exact = F.scaled_dot_product_attention(rows, keys, values, scale=1.0)
+    error = ((out - exact).norm(dim=-1) / exact.norm(dim=-1)).mean()
+    assert kivi[0] == pytest.approx(float(error), rel=1e-4)
+    # a k that reaches every quantized position reads everything exactly
+    everything = step_figures(rows, keys, values, copy, quantized_len, 4, topk=quantized_len)
+    for choice in CHOICES[1:]:
+        assert everything[choice][0] == pytest.approx(0.0, abs=1e-5)
+        assert everything[choice][1] == pytest.approx(1.0, abs=1e-5)
+    # an exact copy leaves nothing to correct
+    exact_copy = (keys[:, :quantized_len], values[:, :quantized_len])
+    for error, _ in step_figures(rows, keys, values, exact_copy, quantized_len, 4, 16).values():
+        assert error == pytest.approx(0.0, abs=1e-5)
+
+
+def test_recorded_decode_reproduces_what_each_layer_attended(smollm2_model, smollm2_checkpoint):
+    """The recorded queries over the recorded K and V give each step's attention output as the
+    full cache computed it (positions, heads and the prompt's K/V all aligned)."""
+    model = smollm2_model
+    runner = Runner(model, get_tokenizer(smollm2_checkpoint.parent), ["full"])
+    prompt, _, _ = make_sample("niah_single_1", runner.tokenizer, 400, random.Random("test"))
+    outputs = {}
+
+    def keep_output(i):
+        def hook(module, args, out):
+            if args[0].shape[2] == 1:
+                outputs.setdefault(i, []).append(out[0, :, 0].float())
+
+        return hook
+
+    recorded = record_decode_with_outputs(runner, prompt, keep_output, [])
+    assert [r.layer for r in recorded] == list(range(len(model.layers)))
+    for rec in recorded:
+        steps, n_heads, head_dim = rec.queries.shape
+        assert steps >= 2 and rec.keys.shape[1] == len(prompt) + steps
+        n_kv = rec.keys.shape[0]
+        for step in (0, steps - 1):
+            visible = len(prompt) + step + 1
+            q = rec.queries[step].view(n_kv, -1, head_dim)
+            out = F.scaled_dot_product_attention(
+                q, rec.keys[:, :visible], rec.values[:, :visible]
+            ).reshape(n_heads, head_dim)
+            torch.testing.assert_close(out, outputs[rec.layer][step], rtol=1e-3, atol=1e-4)
+
+
+def record_decode_with_outputs(runner, prompt, keep_output, handles):
+    """record_decode, with each full cache's outputs kept too (hooks placed once the caches are)."""
+    model = runner.model
+    original = runner.decode
+
+    def decode(method, prompt, prefilled, max_new_tokens, callback):
+        def first(token):
+            if not handles:
+                for i, layer in enumerate(model.layers):
+                    handles.append(layer.attention.kv_cache.register_forward_hook(keep_output(i)))
+            callback(token)
+
+        return original(method, prompt, prefilled, max_new_tokens, callback=first)
+
+    runner.decode = decode
+    try:
+        return record_decode(runner, prompt, 8)
+    finally:
+        for handle in handles:
+            handle.remove()
