@@ -20,6 +20,8 @@ tokens, values per token, specache.py's quantizer). It is compared with the exac
 Choices of the k positions, all made by the step's own row (no speculation, as split=1):
 - kivi: none (nothing fetched);
 - copy: the k positions of highest weight in the copy, the max over a KV head's query heads (ours);
+- shortlist: the copy's top --shortlist x k positions, ranked again by their exact keys (read
+  from the slow tier: --shortlist x k keys more per step), the k best kept;
 - exact top-k (oracle): the k positions of most exact attention, the mean over its query heads.
 
 Each is measured for every 1-bit level rule (--levels: the paper's minmax, Lloyd's, midway; values
@@ -55,7 +57,7 @@ from specache import (  # noqa: E402
     quantize_values,
 )
 
-CHOICES = ("kivi", "copy", "exact top-k (oracle)")
+CHOICES = ("kivi", "copy", "shortlist", "exact top-k (oracle)")
 
 
 class Recorded(NamedTuple):
@@ -128,9 +130,11 @@ def step_figures(
     quantized_len: int,
     sinks: int,
     topk: int,
+    shortlist: int = 8,
 ) -> dict[str, tuple[float, float]]:
     """(error, coverage) of each choice for one step: rows (Hkv, G, D) scaled by D**-0.5 over keys
-    and values (Hkv, N, D), the copy standing in for positions [sinks, quantized_len)."""
+    and values (Hkv, N, D), the copy standing in for positions [sinks, quantized_len); the
+    shortlist is `shortlist` * k positions long."""
     n_kv, n = keys.shape[0], keys.shape[1]
     low = torch.zeros(n, dtype=torch.bool)
     low[sinks:quantized_len] = True
@@ -142,15 +146,22 @@ def step_figures(
     exact_p = exact_scores.softmax(-1)
     exact_out = exact_p @ values
     copy_p = torch.where(low, copy_scores, exact_scores).softmax(-1)
+    candidates = int(low.sum())
+    listed = copy_p.amax(1).masked_fill(~low, float("-inf"))
+    listed = listed.topk(min(shortlist * topk, candidates), -1).indices
     rankings = {
         "copy": copy_p.amax(1),
+        # the copy's shortlist ranked again by the exact keys, the max over query heads as ours
+        "shortlist": torch.full_like(exact_p[:, 0], -1.0).scatter(
+            -1, listed, exact_p.amax(1).gather(-1, listed)
+        ),
         "exact top-k (oracle)": exact_p.mean(1),
     }
     figures = {}
     for choice in CHOICES:
         read_exactly = (~low).expand(n_kv, n).clone()
         if choice in rankings and topk > 0 and low.any():
-            k = min(topk, int(low.sum()))
+            k = min(topk, candidates)
             picks = rankings[choice].masked_fill(~low, float("-inf")).topk(k, -1).indices
             read_exactly.scatter_(-1, picks, True)
         scores = torch.where(read_exactly[:, None], exact_scores, copy_scores)
@@ -172,6 +183,7 @@ def study_layer(
     sinks: int,
     stride: int,
     pair_dtype: torch.dtype,
+    shortlist: int,
 ) -> dict[str, tuple[float, float]]:
     """A layer's figures per choice, the mean over every stride-th step."""
     n_kv, head_dim = rec.keys.shape[0], rec.keys.shape[-1]
@@ -196,6 +208,7 @@ def study_layer(
             quantized_len,
             min(sinks, quantized_len),
             topk,
+            shortlist,
         )
         for choice, (error, coverage) in figures.items():
             sums[choice][0] += error
@@ -242,6 +255,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--residual", type=int, default=64, help="R, the window (default 64)")
     parser.add_argument("--sinks", type=int, default=4, help="first positions kept exact (4)")
     parser.add_argument("--stride", type=int, default=4, help="study every n-th step (4)")
+    parser.add_argument(
+        "--shortlist", type=int, default=8, help="the shortlist's length over k (default 8)"
+    )
     parser.add_argument(
         "--topk", type=int, nargs="+", default=[64], help="k values to study (default 64)"
     )
@@ -296,12 +312,14 @@ def main(argv: list[str] | None = None) -> None:
                         args.sinks,
                         args.stride,
                         pair_dtype,
+                        args.shortlist,
                     )
                     results[level][str(k)].append(figures)
     markdown = (
         f"{args.checkpoint or 'the default model'}, RULER {' '.join(args.tasks)} at "
         f"{args.length} tokens (1 sample each), every {args.stride}th decode step of the full "
-        f"cache, g = {args.group}, R = {args.residual}, {args.sinks} sinks. Mean over steps, "
+        f"cache, g = {args.group}, R = {args.residual}, {args.sinks} sinks, shortlist "
+        f"{args.shortlist} x k. Mean over steps, "
         f"full-attention layers and samples. Wall-clock {(time.perf_counter() - t0) / 60:.1f} "
         "min.\n\n" + table(results, args.topk, args.levels)
     )

@@ -28,9 +28,13 @@ def test_figures_follow_their_definitions():
     copy = one_bit_copy(keys[:, :quantized_len], values[:, :quantized_len], "lloyd", 64, torch.half)
     figures = step_figures(rows, keys, values, copy, quantized_len, 4, topk=16)
     assert set(figures) == set(CHOICES)
-    kivi, ranked, oracle = (figures[c] for c in CHOICES)
-    # fetching helps; the exact top-k covers the most exact attention k positions can
-    assert oracle[1] >= ranked[1] > kivi[1] and ranked[0] < kivi[0]
+    kivi, ranked, shortlisted, oracle = (figures[c] for c in CHOICES)
+    # fetching helps; the exact keys' second look helps more; the exact top-k covers the most
+    # exact attention k positions can
+    assert oracle[1] >= shortlisted[1] > ranked[1] > kivi[1] and ranked[0] < kivi[0]
+    # a shortlist of k is the copy's own top-k
+    short = step_figures(rows, keys, values, copy, quantized_len, 4, topk=16, shortlist=1)
+    assert short["shortlist"] == short["copy"]
     # kivi, spelled out: the copy below quantized_len but the sinks, one softmax, per query head
     mixed_k = torch.cat([keys[:, :4], copy[0][:, 4:quantized_len], keys[:, quantized_len:]], 1)
     mixed_v = torch.cat([values[:, :4], copy[1][:, 4:quantized_len], values[:, quantized_len:]], 1)
