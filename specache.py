@@ -128,10 +128,14 @@ class Selection:
     def name(self) -> str:
         """As --specache_select would name it."""
         names = []
-        for name, (field, _, parser) in VARIANTS.items():
+        for name, (field, default, parser) in VARIANTS.items():
             value = getattr(self, field)
-            if value != getattr(PAPER, field):
-                names.append(name if parser is None else f"{name}={value}")
+            if value == getattr(PAPER, field):
+                continue
+            if parser is not None:
+                names.append(f"{name}={value}")
+            elif value == default:  # a name without a value: only the one that sets this value
+                names.append(name)
         return ",".join(names) or "paper"
 
 

@@ -570,6 +570,9 @@ def test_prompt_lookup_guesses_the_token_after_the_latest_earlier_match():
         ),
         ("default,correct", Selection()),
         ("lloyd,default,split=0.3", dataclasses.replace(Selection(), real_share=0.3)),
+        # two names set one field: each names itself only for its own value
+        ("default,midway", dataclasses.replace(Selection(), levels="midway")),
+        ("midway,lloyd", dataclasses.replace(PAPER, levels="lloyd")),
     ],
 )
 def test_selections_parse_into_their_fields_and_name_themselves(select, fields):
