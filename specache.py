@@ -421,10 +421,12 @@ def quantize_keys(
 def quantize_values(
     v: Tensor, bits: int, group: int, scale_dtype: torch.dtype, levels: str = "minmax"
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Values (..., T, D): packed codes (..., T, D*bits/8), scale and zero (..., T, D/group_v)."""
+    """Values (..., T, D): packed codes (..., T, D*bits/8), scale and zero (..., T, D/group_v).
+    midway is a rule for keys: values take Lloyd's levels under it."""
     *lead, t, d = v.shape
     gv = value_group(group, d)
     grouped = v.reshape(*lead, t, d // gv, gv)
+    levels = "lloyd" if levels == "midway" else levels
     codes, scale, zero = quantize_groups(grouped, bits, -1, scale_dtype, levels)
     return pack_bits(codes.reshape(*lead, t, d), bits), scale.squeeze(-1), zero.squeeze(-1)
 
@@ -1771,8 +1773,7 @@ class SpeCacheLayer(nn.Module):
         self.k_packed[b, :, start : start + n] = packed
         self.k_scale[b, :, keys] = scale
         self.k_zero[b, :, keys] = zero
-        value_levels = "lloyd" if levels == "midway" else levels
-        packed, scale, zero = quantize_values(v, m.bits, g, self.v_scale.dtype, value_levels)
+        packed, scale, zero = quantize_values(v, m.bits, g, self.v_scale.dtype, levels)
         self.v_packed[b, :, start : start + n] = packed
         self.v_scale[b, :, start : start + n] = scale
         self.v_zero[b, :, start : start + n] = zero

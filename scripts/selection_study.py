@@ -116,9 +116,8 @@ def one_bit_copy(
     keys: Tensor, values: Tensor, levels: str, group: int, pair_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
     """The dequantized 1-bit copy (float32) of keys and values (Hkv, T, D), T a multiple of g."""
-    value_levels = "lloyd" if levels == "midway" else levels
     k = quantize_keys(keys.to(pair_dtype), 1, group, pair_dtype, levels)
-    v = quantize_values(values.to(pair_dtype), 1, group, pair_dtype, value_levels)
+    v = quantize_values(values.to(pair_dtype), 1, group, pair_dtype, levels)
     return dequantize_keys(*k, 1, group).float(), dequantize_values(*v, 1, group).float()
 
 
@@ -147,10 +146,11 @@ def step_figures(
     exact_out = exact_p @ values
     copy_p = torch.where(low, copy_scores, exact_scores).softmax(-1)
     candidates = int(low.sum())
-    listed = copy_p.amax(1).masked_fill(~low, float("-inf"))
+    copy_ranking = copy_p.amax(1)
+    listed = copy_ranking.masked_fill(~low, float("-inf"))
     listed = listed.topk(min(shortlist * topk, candidates), -1).indices
     rankings = {
-        "copy": copy_p.amax(1),
+        "copy": copy_ranking,
         # the copy's shortlist ranked again by the exact keys, the max over query heads as ours
         "shortlist": torch.full_like(exact_p[:, 0], -1.0).scatter(
             -1, listed, exact_p.amax(1).gather(-1, listed)

@@ -279,7 +279,13 @@ def test_midway_levels_are_halfway_between_lloyd_and_the_paper_for_keys_only():
     assert zero.item() == pytest.approx((-1.001 / 5 + 0.0) / 2)
     assert (scale + zero).item() == pytest.approx((4.5 + 4.0) / 2)
     assert codes.tolist() == [[0, 0, 0, 0, 0, 1, 1]]
-    # (a layer's keys midway, values Lloyd: tests/test_reference_decoder.py's "midway" cases)
+    # values take Lloyd's levels under midway (a layer's copy: tests/test_reference_decoder.py)
+    v = torch.randn(2, 64, 64, generator=torch.Generator().manual_seed(1))
+    for a, b in zip(
+        quantize_values(v, 1, 32, torch.float16, "midway"),
+        quantize_values(v, 1, 32, torch.float16, "lloyd"),
+    ):
+        assert torch.equal(a, b)
 
 
 def test_positions_mask_counts_a_position_once_whatever_invalid_slots_repeat():
