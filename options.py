@@ -132,7 +132,9 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
         "moved, default 0.9), sinks[=n] (first n positions exact, default 4), lloyd (1-bit levels "
         "at the group's half means), midway (1-bit key levels halfway between lloyd's and the "
         "paper's, values lloyd's), lookup (prompt-lookup speculative token), reuse (count only "
-        "pairs not held already), oracle (diagnostics: exact top-k from the slow tier); see "
+        "pairs not held already), shortlist[=n] (the real row reads its copy's top n x picks, "
+        "default 8, and keeps those its exact keys weigh most), oracle (diagnostics: exact top-k "
+        "from the slow tier); see "
         "specache.py and docs/RESULTS.md",
     )
     g.add_argument(

@@ -96,6 +96,9 @@ class Selection:
     levels: str = "lloyd"
     guess: str = "lookup"  # lookup (ours): the speculative token ("greedy": the paper's)
     reuse: bool = True  # reuse (ours): do not read again what the previous prefetch held
+    # shortlist (ours, an option): the real row reads the pairs of its copy's top n x picks and
+    # keeps the picks their exact keys weigh most (0: the copy's top picks, read alone)
+    shortlist: int = 0
 
     @classmethod
     def parse(cls, select: str) -> "Selection":
@@ -147,6 +150,7 @@ PAPER = Selection(
     levels="minmax",
     guess="greedy",
     reuse=False,
+    shortlist=0,
 )
 # name: (field, its value when the name comes without "=value", the value's type; None: no value)
 VARIANTS = {
@@ -158,6 +162,7 @@ VARIANTS = {
     "midway": ("levels", "midway", None),
     "lookup": ("guess", "lookup", None),
     "reuse": ("reuse", True, None),
+    "shortlist": ("shortlist", 8, int),
 }
 
 
@@ -215,6 +220,7 @@ class SpeCacheConfig:
                 f"correct: the threshold is a cosine in [-1, 1], got {s.correct_below}",
             ),
             (s.sinks >= 0, f"sinks must be >= 0, got {s.sinks}"),
+            (s.shortlist >= 0, f"shortlist must be >= 0 (0: none), got {s.shortlist}"),
             (
                 head_dim * m.bits % 8 == 0,
                 f"SpeCache packs each token's {m.bits}-bit codes into whole bytes, so head_dim x "
@@ -1011,6 +1017,33 @@ def top_positions(
         excluded_valid,
         k,
     )
+
+
+def rank_shortlist(
+    rows: Tensor,
+    part: LowBitPart,
+    merged: Merged,
+    s: int,
+    gqa: str,
+    listed_k: Tensor,
+    listed_valid: Tensor,
+    k: int,
+) -> tuple[Tensor, Tensor]:
+    """shortlist (ours): of the positions the copy listed for the real row (row 0), whose 16-bit
+    keys `listed_k` (B, Hkv, N, D) were read, the k its exact keys weigh most, per KV head: their
+    indices into the list (B, Hkv, k), best first, and which are real. An exact key weighs
+    exp(score - row_max) times the low-bit pass's scale, the probability the copy's own weights
+    are ranked in, so that the max (or mean) over query heads compares like with like."""
+    b, h, m, d = rows.shape
+    real = rows.view(b, h, m // s, s, d)[:, :, :, 0]  # (B, Hkv, G, D)
+    scores = real @ listed_k.to(real.dtype).transpose(-1, -2)  # (B, Hkv, G, N)
+    row_max = part.row_max.view(b, h, m // s, s)[..., 0, None]
+    scale = merged.lowbit_scale.view(b, h, m // s, s)[..., 0, None]
+    # an exact score far above the copy's largest would overflow, and inf x a scale of 0 is NaN
+    weight = torch.exp((scores - row_max).clamp(max=60.0)) * scale
+    ranking = weight.amax(2) if gqa == "max" else weight.mean(2)
+    top = ranking.masked_fill(~listed_valid, -1.0).topk(k, dim=-1)
+    return top.indices, top.values >= 0
 
 
 def dequantize_values_at(kv: LowBitKV, positions: Tensor) -> Tensor:
@@ -1858,8 +1891,10 @@ class SpeCacheLayer(nn.Module):
         b, n_heads, s, d = q.shape
         rows = query_rows(q, k.shape[1])
         discard = self.prefetch_missed(q) if self.correcting and keep else None
-        # RamTier itself: a subclass may read or count in its own way, op by op
-        if type(self.tier) is RamTier and self.probe is None:
+        # RamTier itself: a subclass may read or count in its own way, op by op; the one op has
+        # no shortlist (an option)
+        shortlist = self.config.selection.shortlist
+        if type(self.tier) is RamTier and self.probe is None and not shortlist:
             out, kappa = self.step_in_ram(rows, k, v, discard)
         else:
             out, kappa = self.step_in_parts(rows, k, v, keep, discard)
@@ -1956,6 +1991,9 @@ class SpeCacheLayer(nn.Module):
         now, fill the real row's slots (all k slots of a KV head in `discard`), and their low-bit
         share leaves `part`."""
         merged = merge_segments(rows, part, seg)
+        sel = self.config.selection
+        first = first_pick_slot(seg.fetched_pos, self.n_sinks, self.k_spec, discard)
+        placed = picks_placed(self.picks, seg.fetched_pos.shape[-1], first)
         if self.probe is not None and self.probe.oracle:
             picks, valid = self.probe.oracle_picks(self, rows, part, merged, seg, s)
         else:  # candidates: quantized, not held in a valid slot
@@ -1965,21 +2003,33 @@ class SpeCacheLayer(nn.Module):
                 seg,
                 s,
                 0,
-                self.config.selection.gqa,
+                sel.gqa,
                 0,
                 seg.quantized_len,
                 seg.fetched_pos,
                 seg.fetched_valid,
-                self.picks,
+                min(self.picks * max(sel.shortlist, 1), self.k_packed.shape[2]),
             )
-        first = first_pick_slot(seg.fetched_pos, self.n_sinks, self.k_spec, discard)
-        valid = valid & picks_placed(self.picks, seg.fetched_pos.shape[-1], first)
-        pairs = self.tier.read(picks, valid)
+        if sel.shortlist:  # n listed per pick a KV head places; the listed pairs read at once
+            listed = torch.arange(picks.shape[-1], device=picks.device)
+            valid = valid & (listed < sel.shortlist * placed.sum(-1, keepdim=True))
+            listed_k, listed_v = self.tier.read(picks, valid)
+            self.pairs_read += valid.sum()
+            chosen, valid = rank_shortlist(
+                rows, part, merged, s, sel.gqa, listed_k, valid, self.picks
+            )
+            picks = picks.gather(-1, chosen)
+            index = chosen.unsqueeze(-1).expand(-1, -1, -1, listed_k.shape[-1])
+            pairs = listed_k.gather(2, index), listed_v.gather(2, index)
+            valid = valid & placed
+        else:
+            valid = valid & placed
+            pairs = self.tier.read(picks, valid)
+            self.pairs_read += valid.sum()
         part, seg = take_picks(part, self.lowbit(), seg, picks, valid, *pairs, first)
         self.fetched_k.copy_(seg.fetched_k)
         self.fetched_v.copy_(seg.fetched_v)
         self.fetched_pos.copy_(seg.fetched_pos)
-        self.pairs_read += valid.sum()
         return part, seg
 
     def choose_prefetch(self, kappa_pos: Tensor, kappa_valid: Tensor) -> Kappa:

@@ -175,6 +175,17 @@ class RefLayerCache(nn.Module):
             else:
                 score = self.heads(probs0, cfg.gqa)
             candidates = quantized[None] & ~E0
+            if cfg.shortlist:  # the copy lists n per pick; the listed positions' exact keys decide
+                listed = torch.zeros(n_kv, n, dtype=torch.bool)
+                for h in range(n_kv):
+                    listed[h, dec.top(score[h], candidates[h], cfg.shortlist * n_pick[h])] = True
+                q0 = q[:, 0].reshape(n_kv, -1, q.shape[-1])  # (Hkv, G, D)
+                exact_score, copy_score = (
+                    (q0 @ x.transpose(-1, -2)) * q.shape[-1] ** -0.5 for x in keys
+                )
+                # a listed position's probability had its key been exact, in probs0's normalizer
+                probs = probs0.reshape(n_kv, -1, n) * torch.exp(exact_score - copy_score)
+                score, candidates = self.heads(probs.reshape(-1, n), cfg.gqa), listed
             for h in range(n_kv):
                 picks[h, dec.top(score[h], candidates[h], n_pick[h])] = True
         E = E0 | picks

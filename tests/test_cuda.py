@@ -52,6 +52,7 @@ def test_mixed_attention_on_cuda_matches_the_cpu_reference(specache_kernels):
         ("specache", "llama", "paper"),
         ("specache", "llama", "default"),
         ("specache", "llama", "default,correct=0.99"),
+        ("specache", "llama", "default,shortlist=3"),
         ("specache-nospec", "llama", "default"),
         ("kivi", "llama", "paper"),
         ("specache", "hybrid", "default"),
@@ -101,7 +102,12 @@ def test_fetching_everything_on_cuda_reproduces_the_full_cache():
 
 @pytest.mark.parametrize(
     "cache, select",
-    [("specache", "paper"), ("specache", "default"), ("specache-nospec", "default")],
+    [
+        ("specache", "paper"),
+        ("specache", "default"),
+        ("specache", "default,shortlist=3"),
+        ("specache-nospec", "default"),
+    ],
 )
 def test_compiled_cuda_decode_matches_eager(cache, select):
     config = specache_config(select, topk=8, speculative=cache == "specache", **SMALL)

@@ -129,6 +129,9 @@ TINY_CASES = {
     "default-midway-fp32pairs": ("default,midway", 1, True, 8, True),
     "lookup": ("lookup", 1, True, 8, True),
     "reuse": ("reuse", 1, True, 8, False),
+    "default-shortlist": ("default,shortlist=3", 1, True, 8, False),
+    "split-shortlist-fp32pairs": ("split,gqa-max,shortlist", 1, True, 8, True),
+    "nonspec-shortlist-2bit": ("default,shortlist=2", 2, False, 8, False),
     "oracle": ("oracle", 1, True, 8, True),
     "oracle-mass": ("oracle=mass", 1, False, 8, False),
     # correct=0.2 discards about half the heads' prefetches on this model (0.9: most of them)

@@ -457,21 +457,23 @@ def test_batch_of_three_prompts_equals_each_alone():
 
 
 @pytest.mark.parametrize(
-    "cache, layout, whole_step",
+    "cache, layout, whole_step, select",
     [
-        ("specache", "llama", False),
-        ("specache-nospec", "llama", False),
-        ("specache", "hybrid", False),
-        ("specache", "llama", True),
-        ("specache", "hybrid", True),
+        ("specache", "llama", False, "default"),
+        ("specache-nospec", "llama", False, "default"),
+        ("specache", "hybrid", False, "default"),
+        ("specache", "llama", True, "default"),
+        ("specache", "hybrid", True, "default"),
+        ("specache", "llama", False, "default,shortlist=3"),
     ],
 )
-def test_compiled_decode_matches_eager_and_never_recompiles(cache, layout, whole_step):
+def test_compiled_decode_matches_eager_and_never_recompiles(cache, layout, whole_step, select):
     """Hybrid: the sliding-window layers' rings wrap as positions move, in their own graph. Whole
-    step: the two-row pass of every layer and the head in one graph."""
+    step: the two-row pass of every layer and the head in one graph. The shortlist runs op by op,
+    not in the one op."""
     from torch._dynamo.utils import counters
 
-    config = specache_config(topk=8, speculative=cache == "specache", **SMALL)
+    config = specache_config(select, topk=8, speculative=cache == "specache", **SMALL)
     model = tiny_model(**(HYBRID if layout == "hybrid" else {}))
     prompts = prompts_of(50, 71)
     eager = run_specache(model, prompts, 40, config)
@@ -573,6 +575,8 @@ def test_prompt_lookup_guesses_the_token_after_the_latest_earlier_match():
         # two names set one field: each names itself only for its own value
         ("default,midway", dataclasses.replace(Selection(), levels="midway")),
         ("midway,lloyd", dataclasses.replace(PAPER, levels="lloyd")),
+        ("shortlist", dataclasses.replace(PAPER, shortlist=8)),
+        ("default,shortlist=4", dataclasses.replace(Selection(), shortlist=4)),
     ],
 )
 def test_selections_parse_into_their_fields_and_name_themselves(select, fields):
@@ -588,6 +592,7 @@ def test_selections_parse_into_their_fields_and_name_themselves(select, fields):
         ("gqa-max=2", "takes no value"),
         ("sinks=x", "not a valid int"),
         ("split=2", "share of k must be in"),
+        ("default,shortlist=-1", "shortlist must be >= 0"),
     ],
 )
 def test_bad_selections_are_refused(select, message):
