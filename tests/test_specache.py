@@ -1,7 +1,6 @@
 """SpeCache against the full cache, against its reference kernels, and against its own
 invariants."""
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -15,10 +14,7 @@ from generation import compile_decode, generate
 from model import KVCache, Transformer
 from reference_decoder import lookup_guess
 from specache import (
-    PAPER,
     LowBitKV,
-    Method,
-    Selection,
     SpeCacheConfig,
     SpeCacheLayer,
     dequantize_keys,
@@ -504,25 +500,6 @@ def test_a_failing_fetch_raises_instead_of_being_lost(monkeypatch, specache_kern
         run_specache(model, prompts_of(60), 10, specache_config(topk=8, **SMALL))
 
 
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(bits=3), "bits must be 1 or 2"),
-        (dict(group=48, residual=64), "multiple of the group size"),
-        (dict(topk=-1), "top-k must be >= 0"),
-    ],
-)
-def test_invalid_configs_are_refused(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        specache_config(**kwargs).validate(64)
-
-
-def test_head_dims_that_do_not_fill_bytes_are_refused():
-    with pytest.raises(ValueError, match="head_dim x bits must be a multiple of 8"):
-        SpeCacheConfig(Method(bits=1)).validate(36)
-    SpeCacheConfig(Method(bits=2)).validate(36)
-
-
 def test_hybrid_models_offload_only_their_full_attention_layers():
     model = tiny_model(**HYBRID)
     result = run_specache(model, prompts_of(70), 8, specache_config(**SMALL))
@@ -559,42 +536,3 @@ def test_prompt_lookup_guesses_the_token_after_the_latest_earlier_match():
     assert guess[:, 0].tolist() == [lookup_guess(h, logits[b]) for b, h in enumerate(histories)]
     # the latest trigram, a run, a unigram
     assert guess[5, 0] == 7 and guess[6, 0] == 4 and guess[7, 0] == 1
-
-
-@pytest.mark.parametrize(
-    "select, fields",
-    [
-        ("paper", PAPER),
-        ("split,gqa-max", dataclasses.replace(PAPER, real_share=0.5, gqa="max")),
-        (
-            "split=0.25, sinks=8, correct=0.8",
-            dataclasses.replace(PAPER, real_share=0.25, sinks=8, correct_below=0.8),
-        ),
-        ("default,correct", Selection()),
-        ("lloyd,default,split=0.3", dataclasses.replace(Selection(), real_share=0.3)),
-        # two names set one field: each names itself only for its own value
-        ("default,midway", dataclasses.replace(Selection(), levels="midway")),
-        ("midway,lloyd", dataclasses.replace(PAPER, levels="lloyd")),
-        ("shortlist", dataclasses.replace(PAPER, shortlist=8)),
-        ("default,shortlist=4", dataclasses.replace(Selection(), shortlist=4)),
-    ],
-)
-def test_selections_parse_into_their_fields_and_name_themselves(select, fields):
-    selection = Selection.parse(select)
-    assert selection == fields
-    assert Selection.parse(selection.name()) == selection
-
-
-@pytest.mark.parametrize(
-    "select, message",
-    [
-        ("splt", "unknown --specache_select entry 'splt'"),
-        ("gqa-max=2", "takes no value"),
-        ("sinks=x", "not a valid int"),
-        ("split=2", "share of k must be in"),
-        ("default,shortlist=-1", "shortlist must be >= 0"),
-    ],
-)
-def test_bad_selections_are_refused(select, message):
-    with pytest.raises(ValueError, match=message):
-        SpeCacheConfig(selection=Selection.parse(select)).validate(64)
