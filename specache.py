@@ -2019,8 +2019,7 @@ class SpeCacheLayer(nn.Module):
                 rows, part, merged, s, sel.gqa, listed_k, valid, self.picks
             )
             picks = picks.gather(-1, chosen)
-            index = chosen.unsqueeze(-1).expand(-1, -1, -1, listed_k.shape[-1])
-            pairs = listed_k.gather(2, index), listed_v.gather(2, index)
+            pairs = gather_pairs(listed_k, chosen), gather_pairs(listed_v, chosen)
             valid = valid & placed
         else:
             valid = valid & placed
