@@ -1046,6 +1046,13 @@ def rank_shortlist(
     return top.indices, top.values >= 0
 
 
+def shortlist_listed(valid: Tensor, shortlist: int, placed: Tensor) -> Tensor:
+    """Which of the copy's ranked candidates (valid: B, Hkv, N) the shortlist lists and reads:
+    `shortlist` per pick the KV head places (`placed`: B, Hkv, P)."""
+    listed = torch.arange(valid.shape[-1], device=valid.device)
+    return valid & (listed < shortlist * placed.sum(-1, keepdim=True))
+
+
 def dequantize_values_at(kv: LowBitKV, positions: Tensor) -> Tensor:
     """The low-bit copy's values (B, Hkv, K, D), fp32, at positions (B, Hkv, K)."""
 
@@ -1322,7 +1329,7 @@ class RamTier:
 # merges, two rankings, the picks' gather and drop, the prefetch's gather) is small: dispatching
 # it op by op cost more than computing it (a SmolLM2 step at 1k made about 300 calls). So the
 # whole of a layer's attention in a step is one op, which a CPU kernel computes KV head by KV head
-# (kernels/cpu_ops.cpp). Its definition is the composition the layer runs op by op elsewhere.
+# (kernels/step_cpu.cpp). Its definition is the composition the layer runs op by op elsewhere.
 
 
 def step_attention_reference(
@@ -1349,6 +1356,7 @@ def step_attention_reference(
     store_k: Tensor,
     store_v: Tensor,
     n_picks: int,
+    shortlist: int,
     discard: Optional[Tensor],
     gqa_max: bool,
     n_sinks: int,
@@ -1357,12 +1365,16 @@ def step_attention_reference(
 ) -> tuple[Tensor, ...]:
     """A layer's attention in one step, over a slow tier `store_k`, `store_v` (B, Hkv, T, D) in
     the same memory. The rows attend over the four segments (`Segments`: the slots as
-    `fetched_valid` and `exact_slots` say); with n_picks, the real row (row 0) first picks that
-    many positions by its low-bit weights, whose pairs fill its slots (`first_pick_slot`) and
-    leave the low-bit segment; with n_spec, the last row then chooses the prefetch, among [n_sinks,
-    selectable_len[b]), and its pairs fill the prefetch's slots. Returns the output (B, Hkv, M,
-    D), the slots' new k, v, pos and valid, which picks were placed (B, Hkv, n_picks), and the
-    prefetch (B, Hkv, n_spec): positions and which are real. Every slot from the first pick's on
+    `fetched_valid` and `exact_slots` say).
+    - With n_picks, the real row (row 0) first picks that many positions by its low-bit weights
+      (with a shortlist, by the exact weights of the `shortlist` x n_picks it lists:
+      `rank_shortlist`). Their pairs fill its slots (`first_pick_slot`) and leave the low-bit
+      segment.
+    - With n_spec, the last row then chooses the prefetch, among [n_sinks, selectable_len[b]),
+      and its pairs fill the prefetch's slots.
+    Returns the output (B, Hkv, M, D); the slots' new k, v, pos and valid; which picks were placed
+    (B, Hkv, n_picks); the prefetch (B, Hkv, n_spec), positions and which are real; and the pairs
+    each KV head read from the tier for its picks (B, Hkv). Every slot from the first pick's on
     takes a pick: n_picks is 0, or at least the real row's slots (plus the prefetch's where a
     `discard` is given)."""
     real_slots = fetched_pos.shape[-1] - n_sinks - n_spec
@@ -1379,14 +1391,24 @@ def step_attention_reference(
     part = lowbit_partial_attention(rows, kv, seg, "int8" if integer else "float")
     # fresh, not views: an op's outputs never alias its inputs
     nothing = fetched_pos.new_empty(fetched_pos.shape[:2] + (0,))
-    placed = nothing.bool()
+    placed, read = nothing.bool(), quantized_len.new_zeros(fetched_pos.shape[:2])
     if n_picks:
         merged = merge_segments(rows, part, seg)
+        n_listed = min(n_picks * shortlist, k_packed.shape[2]) if shortlist else n_picks
         picks, valid = top_positions(
-            part, merged, seg, s, 0, gqa, 0, quantized_len, fetched_pos, exact, n_picks
+            part, merged, seg, s, 0, gqa, 0, quantized_len, fetched_pos, exact, n_listed
         )
         first = first_pick_slot(fetched_pos, n_sinks, n_spec, discard)
-        placed = valid & picks_placed(n_picks, fetched_pos.shape[-1], first)
+        placed = picks_placed(n_picks, fetched_pos.shape[-1], first)
+        if shortlist:
+            valid = shortlist_listed(valid, shortlist, placed)
+            read = valid.sum(-1)
+            listed_k = gather_pairs(store_k, picks)
+            chosen, valid = rank_shortlist(rows, part, merged, s, gqa, listed_k, valid, n_picks)
+            picks = picks.gather(-1, chosen)
+        placed = valid & placed
+        if not shortlist:
+            read = placed.sum(-1)
         pairs = gather_pairs(store_k, picks), gather_pairs(store_v, picks)
         part, seg = take_picks(part, kv, seg, picks, placed, *pairs, first)
     merged = merge_segments(rows, part, seg)
@@ -1405,7 +1427,7 @@ def step_attention_reference(
     out_v[:, :, prefetch] = gather_pairs(store_v, kappa_pos).to(out_v.dtype)
     out_pos[:, :, prefetch] = kappa_pos
     out_valid[:, :, prefetch] = kappa_valid
-    return merged.out, out_k, out_v, out_pos, out_valid, placed, kappa_pos, kappa_valid
+    return merged.out, out_k, out_v, out_pos, out_valid, placed, kappa_pos, kappa_valid, read
 
 
 _OPS.define(
@@ -1413,9 +1435,9 @@ _OPS.define(
     "Tensor v_packed, Tensor v_scale, Tensor v_zero, int bits, int group, bool integer, "
     "Tensor quantized_len, Tensor fetched_k, Tensor fetched_v, Tensor fetched_pos, "
     "Tensor fetched_valid, Tensor window_k, Tensor window_v, Tensor window_len, Tensor new_k, "
-    "Tensor new_v, Tensor store_k, Tensor store_v, int n_picks, Tensor? discard, bool gqa_max, "
-    "int n_sinks, int n_spec, Tensor selectable_len) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "Tensor new_v, Tensor store_k, Tensor store_v, int n_picks, int shortlist, Tensor? discard, "
+    "bool gqa_max, int n_sinks, int n_spec, Tensor selectable_len) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _OPS.impl("step_attention", step_attention_reference, "CompositeExplicitAutograd")
 
@@ -1423,7 +1445,7 @@ _OPS.impl("step_attention", step_attention_reference, "CompositeExplicitAutograd
 @torch.library.register_fake("specache::step_attention")
 def _(rows, *args):
     fetched_k, fetched_v, fetched_pos, fetched_valid = args[10:14]
-    n_picks, n_spec = args[21], args[25]
+    n_picks, n_spec = args[21], args[26]
     b, h = fetched_pos.shape[:2]
     return (  # contiguous, as the kernel's outputs are, whatever the inputs' strides
         rows.new_empty(rows.shape),
@@ -1434,6 +1456,7 @@ def _(rows, *args):
         fetched_valid.new_empty(b, h, n_picks),
         fetched_pos.new_empty(b, h, n_spec),
         fetched_valid.new_empty(b, h, n_spec),
+        fetched_pos.new_empty(b, h),
     )
 
 
@@ -1891,10 +1914,8 @@ class SpeCacheLayer(nn.Module):
         b, n_heads, s, d = q.shape
         rows = query_rows(q, k.shape[1])
         discard = self.prefetch_missed(q) if self.correcting and keep else None
-        # RamTier itself: a subclass may read or count in its own way, op by op; the one op has
-        # no shortlist (an option)
-        shortlist = self.config.selection.shortlist
-        if type(self.tier) is RamTier and self.probe is None and not shortlist:
+        # RamTier itself: a subclass may read or count in its own way, op by op
+        if type(self.tier) is RamTier and self.probe is None:
             out, kappa = self.step_in_ram(rows, k, v, discard)
         else:
             out, kappa = self.step_in_parts(rows, k, v, keep, discard)
@@ -1918,7 +1939,7 @@ class SpeCacheLayer(nn.Module):
         """A step whose slow tier is in the same RAM: one op (`specache::step_attention`), which
         also places the prefetch; the tier then only stores the real row."""
         m, sel = self.config.method, self.config.selection
-        out, fetched_k, fetched_v, fetched_pos, fetched_valid, picked, kappa_pos, kappa_valid = (
+        out, fetched_k, fetched_v, fetched_pos, fetched_valid, _, kappa_pos, kappa_valid, read = (
             torch.ops.specache.step_attention(
                 rows,
                 *self.lowbit()[:6],
@@ -1929,6 +1950,7 @@ class SpeCacheLayer(nn.Module):
                 self.tier.k,
                 self.tier.v,
                 self.picks,
+                sel.shortlist,
                 discard,
                 sel.gqa == "max",
                 self.n_sinks,
@@ -1941,7 +1963,7 @@ class SpeCacheLayer(nn.Module):
             (fetched_k, fetched_v, fetched_pos, fetched_valid),
         ):
             buffer.copy_(new)
-        self.pairs_read += picked.sum()
+        self.pairs_read += read.sum()
         if self.k_spec:
             self.choose_prefetch(kappa_pos, kappa_valid)
         return out, None
@@ -2010,9 +2032,8 @@ class SpeCacheLayer(nn.Module):
                 seg.fetched_valid,
                 min(self.picks * max(sel.shortlist, 1), self.k_packed.shape[2]),
             )
-        if sel.shortlist:  # n listed per pick a KV head places; the listed pairs read at once
-            listed = torch.arange(picks.shape[-1], device=picks.device)
-            valid = valid & (listed < sel.shortlist * placed.sum(-1, keepdim=True))
+        if sel.shortlist:  # the listed pairs read at once
+            valid = shortlist_listed(valid, sel.shortlist, placed)
             listed_k, listed_v = self.tier.read(picks, valid)
             self.pairs_read += valid.sum()
             chosen, valid = rank_shortlist(

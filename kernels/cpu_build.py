@@ -34,9 +34,10 @@ def build(
     flags: tuple[str, ...] = FLAGS,
     compiler: str = "gcc",
     libraries: tuple[str, ...] = (),
+    also: tuple[Path, ...] = (),
 ) -> Path:
-    """Compile `source` with `flags` (and link `libraries` flags) into the cache (once) and return
-    the library's path."""
+    """Compile `source` with `flags` (and the sources `also` beside it, into one library, linked
+    with the `libraries` flags) into the cache (once) and return the library's path."""
     gcc = shutil.which(compiler)
     if gcc is None:
         raise RuntimeError(f"{compiler} not found")
@@ -48,7 +49,15 @@ def build(
     target = run(*flags, "-dM", "-E", "-x", "c", os.devnull)
     # what the sources may include
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]
-    parts = [source.read_text(), *headers, *flags, *libraries, run("--version"), target]
+    parts = [
+        source.read_text(),
+        *(s.read_text() for s in also),
+        *headers,
+        *flags,
+        *libraries,
+        run("--version"),
+        target,
+    ]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specache"
     path = cache / f"{source.stem}-{key}.so"
@@ -58,7 +67,7 @@ def build(
         os.close(fd)
         try:
             subprocess.run(
-                [gcc, *flags, str(source), "-o", tmp, "-lm", *libraries],
+                [gcc, *flags, str(source), *map(str, also), "-o", tmp, "-lm", *libraries],
                 capture_output=True,
                 text=True,
                 check=True,

@@ -1,14 +1,15 @@
-"""The C++ dispatch of the CPU kernels' most frequent ops (kernels/cpu_ops.cpp).
+"""The C++ dispatch of the CPU kernels' most frequent ops (kernels/cpu_ops.cpp), and SpeCache's one
+op per layer (`specache::step_attention`, kernels/step_cpu.cpp), which chains them.
 
 A decode step calls `specache::quantized_linear` about 150 times and
-`specache::dense_decode_attention`
-once per layer. Their Python implementations (in kernels/linear_cpu.py and kernels/dense_cpu.py)
-check the inputs and call the C kernel through ctypes, some 12 us a call beyond the kernel; the C++
-implementations do the same in about 2. When a kernel's module has built its C library it calls
-`hand_over`, which builds this file once (g++ against the running torch's headers, cached as
-kernels/cpu_build.py caches the C kernels) and registers the C++ implementation of that op for CPU
-tensors, ahead of the Python one. Without g++, or when the build fails, the Python implementations
-serve (one warning); SPECACHE_NO_CPU_OPS=1 keeps them.
+`specache::dense_decode_attention` once per layer. Their Python implementations (in
+kernels/linear_cpu.py and kernels/dense_cpu.py) check the inputs and call the C kernel through
+ctypes, some 12 us a call beyond the kernel; the C++ implementations do the same in about 2. When a
+kernel's module has built its C library it calls `hand_over`, which builds the two files once (g++
+against the running torch's headers, cached as kernels/cpu_build.py caches the C kernels) and
+registers the C++ implementation of that op for CPU tensors, ahead of the Python one. Without g++,
+or when the build fails, the Python implementations serve (one warning); SPECACHE_NO_CPU_OPS=1
+keeps them.
 """
 
 import ctypes
@@ -24,10 +25,12 @@ import torch
 from kernels import cpu_build
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+STEP_SOURCE = Path(__file__).with_name("step_cpu.cpp")  # specache::step_attention
 
 
 def build() -> Path:
-    """Compile kernels/cpu_ops.cpp against this torch (once per torch build) and return its path."""
+    """Compile kernels/cpu_ops.cpp and step_cpu.cpp against this torch (once per torch build)
+    into one library and return its path."""
     # the headers' location; imported here, only when building
     from torch.utils import (
         cpp_extension,
@@ -46,7 +49,7 @@ def build() -> Path:
         *(f"-I{p}" for p in cpp_extension.include_paths()),
     )
     libraries = (f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}")
-    return cpu_build.build(SOURCE, flags, compiler="g++", libraries=libraries)
+    return cpu_build.build(SOURCE, flags, "g++", libraries, also=(STEP_SOURCE,))
 
 
 @lru_cache(maxsize=None)

@@ -14,7 +14,7 @@ summed over the steps and divided by them, goes into a part:
                  inductor's kernels and count under "other compiled kernels"
   full-cache attention   the full cache's decode attention (kernels/dense_cpu.c)
   SpeCache attention, one op   a layer's whole SpeCache attention with its slow tier in RAM
-                 (specache::step_attention, kernels/cpu_ops.cpp: the four parts below in one
+                 (specache::step_attention, kernels/step_cpu.cpp: the four parts below in one
                  call, which the profiler does not split)
   low-bit read   SpeCache's pass over the 1-bit copy (kernels/lowbit_cpu.c), where it runs
                  op by op (a slow tier on disk, or the profile of an older step)

@@ -111,6 +111,8 @@ def test_sixteen_bit_pairs_stay_close_to_the_fp32_full_cache():
         ("kivi", "paper", "float"),
         ("specache", "default", "int8"),
         ("kivi", "paper", "int8"),
+        ("specache", "default,shortlist=3", "float"),
+        ("specache-nospec", "split,shortlist=2", "int8"),
     ],
 )
 def test_fast_kernels_generate_what_the_reference_kernels_generate(
@@ -465,8 +467,7 @@ def test_batch_of_three_prompts_equals_each_alone():
 )
 def test_compiled_decode_matches_eager_and_never_recompiles(cache, layout, whole_step, select):
     """Hybrid: the sliding-window layers' rings wrap as positions move, in their own graph. Whole
-    step: the two-row pass of every layer and the head in one graph. The shortlist runs op by op,
-    not in the one op."""
+    step: the two-row pass of every layer and the head in one graph."""
     from torch._dynamo.utils import counters
 
     config = specache_config(select, topk=8, speculative=cache == "specache", **SMALL)

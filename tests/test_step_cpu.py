@@ -1,12 +1,12 @@
-"""specache::step_attention on CPUs: kernels/cpu_ops.cpp's one call per layer, which chains the C
+"""specache::step_attention on CPUs: kernels/step_cpu.cpp's one call per layer, which chains the C
 kernels KV head by KV head, against specache.py's definition of the op, run op by op on the same C
 kernels and on the plain-PyTorch ops (`reference_ops`).
 
 What must agree: the output (within float32 rounding of the definition on the same kernels, and
 within the kernels' own tolerance of the plain ops), which picks were placed and where, the
-prefetch, and every slot's position, validity and pair, but those of picks and prefetch entries
-that are not real: a ranking with fewer candidates than k leaves their position unspecified (the
-kernel writes 0, topk some masked position), and such a slot never counts.
+prefetch, the pairs read, and every slot's position, validity and pair, but those of picks and
+prefetch entries that are not real: a ranking with fewer candidates than k leaves their position
+unspecified (the kernel writes 0, topk some masked position), and such a slot never counts.
 """
 
 import contextlib
@@ -31,6 +31,7 @@ def step_problem(
     integer=False,
     s=2,
     n_picks=8,
+    shortlist=0,
     n_sinks=2,
     n_spec=4,
     n_real=4,
@@ -95,6 +96,7 @@ def step_problem(
         store_k,
         store_v,
         n_picks,
+        shortlist,
         torch.arange(b * h).view(b, h) % 3 == 0 if discard else None,
         gqa_max,
         n_sinks,
@@ -106,8 +108,8 @@ def step_problem(
 def meaningful_slots(args, placed, kappa_valid):
     """(B, Hkv, K): slots whose content is specified: all but those a pick or a prefetch entry
     that is not real went to."""
-    fetched_pos, discard = args[13], args[23]
-    n_picks, n_sinks, n_spec = args[22], args[25], args[26]
+    fetched_pos, discard = args[13], args[24]
+    n_picks, n_sinks, n_spec = args[22], args[26], args[27]
     slots = fetched_pos.shape[-1]
     first = specache.first_pick_slot(fetched_pos, n_sinks, n_spec, discard)
     meaningful = torch.ones_like(args[14])
@@ -142,7 +144,9 @@ def assert_same_step(args):
         fused = torch.ops.specache.step_attention(*args)
     with reference_ops():
         expected = torch.ops.specache.step_attention(*args)
-    out, fetched_k, fetched_v, fetched_pos, fetched_valid, placed, kappa_pos, kappa_valid = fused
+    out, fetched_k, fetched_v, fetched_pos, fetched_valid, placed, kappa_pos, kappa_valid, read = (
+        fused
+    )
     scale = expected[0].abs().max()
     # the definition run on the same C kernels, op by op: only the drop's order of additions
     # differs (a few ulps of the unnormalized low-bit terms, up to ~10x the output)
@@ -152,6 +156,7 @@ def assert_same_step(args):
     # which the drop amplifies where the picks take most of the low-bit weight
     torch.testing.assert_close(out, expected[0], atol=1e-4 * scale, rtol=1e-5)
     assert torch.equal(placed, expected[5])
+    assert torch.equal(read, expected[8])
     assert torch.equal(kappa_valid, expected[7])
     assert torch.equal(kappa_pos[kappa_valid], expected[6][kappa_valid])
     meaningful = meaningful_slots(args, expected[5], expected[7])
@@ -163,8 +168,8 @@ def assert_same_step(args):
 
 
 def test_the_kernel_serves_the_op():
-    """Where g++ builds kernels/cpu_ops.cpp, the C++ implementation is registered (else the rest
-    of this file would compare the reference with itself)."""
+    """Where g++ builds kernels/cpu_ops.cpp and step_cpu.cpp, the C++ implementation is
+    registered (else the rest of this file would compare the reference with itself)."""
     assert torch.ops.specache.enable_step_attention()
 
 
@@ -172,7 +177,7 @@ def test_the_kernel_serves_the_op():
 @pytest.mark.parametrize("integer", [False, True])
 @pytest.mark.parametrize("s", [1, 2])
 def test_a_step_equals_the_composition(bits, integer, s):
-    out, _, _, _, _, placed, _, kappa_valid = assert_same_step(
+    out, _, _, _, _, placed, _, kappa_valid, _ = assert_same_step(
         step_problem(bits=bits, integer=integer, s=s)
     )
     # the problem exercises what it claims: picks placed and cut short, a prefetch chosen
@@ -191,10 +196,32 @@ def test_a_step_equals_the_composition(bits, integer, s):
         {"gqa_max": False},
         {"dtype": torch.float16},
         {"dtype": torch.float32, "d": 128},
+        {"shortlist": 4},  # the real row lists 32 and keeps the 8 its exact keys weigh most
+        {"shortlist": 4, "gqa_max": False},
+        {"shortlist": 4, "n_picks": 4, "discard": False},
+        {"shortlist": 2, "bits": 2, "integer": True, "s": 1},
+        {"shortlist": 3, "dtype": torch.float32, "d": 128},
+        {"shortlist": 30},  # more listed than the copy holds: the list stops at T
     ],
 )
 def test_a_step_equals_the_composition_in_every_configuration(change):
     assert_same_step(step_problem(**change))
+
+
+def test_the_shortlist_reads_its_list_and_keeps_other_picks():
+    """The shortlist reads shortlist x the picks a KV head places (fewer where fewer positions
+    are candidates) and keeps picks that the copy's ranking alone would not."""
+    plain = assert_same_step(step_problem())
+    listed = assert_same_step(step_problem(shortlist=4))
+    placed, read = listed[5], listed[8]
+    assert torch.equal(plain[8], plain[5].sum(-1))  # without it, the placed picks are read
+    # sequence 0: 128 candidates; a KV head that discards its prefetch places 8, else 4
+    discard = torch.tensor([True, False])
+    assert torch.equal(read[0], torch.where(discard, 32, 16))
+    assert (read[1] <= 8).all()  # sequence 1 has 8 quantized positions, some held in slots
+    kept, kept_plain = listed[3][0, :, 6:], plain[3][0, :, 6:]
+    assert placed[0].sum() == plain[5][0].sum()
+    assert not torch.equal(kept.sort(-1).values, kept_plain.sort(-1).values)
 
 
 def test_with_threads_the_result_is_the_same():

@@ -1,0 +1,117 @@
+// What kernels/cpu_ops.cpp and kernels/step_cpu.cpp share: the C kernels' Problem structs (the C
+// files', field for field), their addresses once kernels/cpu_ops.py hands them over, and the ops
+// the one call per layer chains.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace specache_cpu {
+
+struct LinearProblem {  // kernels/linear_cpu.c
+  const void *x, *w, *scales, *zeros;
+  void *y;
+  int64_t m, n, k;
+  int32_t group, threads;
+};
+
+struct DenseProblem {  // kernels/dense_cpu.c
+  const void *q, *k, *v, *input_pos;
+  void *out;
+  int64_t batch, heads, kv_heads, s, d, t;
+  float scale;
+  int32_t dtype, threads;
+};
+
+struct MergeProblem {  // kernels/dense_cpu.c
+  const void *rows, *row_max, *row_sum, *lowbit_out;
+  const void *k[3], *v[3];
+  int64_t k_stride[3][3], v_stride[3][3];
+  const void *fetched_valid, *window_len;
+  void *out, *lowbit_scale;
+  void *p[3];
+  int64_t batch, kv_heads, m, d, n[3];
+  int32_t dtype[3], threads;
+};
+
+struct RankProblem {  // kernels/rank_cpu.c
+  const void *weights, *scale, *p_fetched, *fetched_pos, *p_window, *window_start, *upper,
+      *excluded_pos, *excluded_valid;
+  void *indices, *valid;
+  int64_t batch, heads, m, t, n_fetched, n_window, n_excluded, k, lower;
+  int32_t s, row, max_over_heads, threads;
+};
+
+struct LowbitProblem {  // kernels/lowbit_cpu.c
+  const void *rows, *k_packed, *v_packed, *k_scale, *k_zero, *v_scale, *v_zero, *visible_len,
+      *excluded_pos, *excluded_valid;
+  void *weights, *row_max, *row_sum, *out;
+  int64_t batch, heads, m, d, t, k;
+  int32_t bits, group, value_groups, bf16, threads;
+};
+
+using LinearKernel = int (*)(const LinearProblem *);
+using DenseKernel = int (*)(const DenseProblem *);
+using MergeKernel = int (*)(const MergeProblem *);
+using RankKernel = int (*)(const RankProblem *);
+using LowbitKernel = int (*)(const LowbitProblem *);
+inline LinearKernel linear_kernel = nullptr;
+inline DenseKernel dense_kernel = nullptr;
+inline MergeKernel merge_kernel = nullptr;
+inline RankKernel rank_kernel = nullptr;
+inline LowbitKernel lowbit_kernel = nullptr;       // kernels/lowbit_cpu.c
+inline LowbitKernel lowbit_int8_kernel = nullptr;  // kernels/lowbit_int_cpu.c, the same struct
+
+// The op specache_plain::`name`: specache.py's plain-PyTorch definition of specache::`name`,
+// registered by kernels/cpu_ops.py, for the shapes a C kernel does not take.
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> plain(const char *name) {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow((std::string("specache_plain::") + name).c_str(), "")
+      .typed<Signature>();
+}
+
+// The C kernels' element types: float32, bfloat16, float16.
+inline int32_t dtype_code(at::ScalarType dtype) {
+  return dtype == at::kFloat ? 0 : dtype == at::kBFloat16 ? 1 : 2;
+}
+
+// specache::lowbit_partial_attention (integer: its _int8 twin), in kernels/cpu_ops.cpp.
+template <bool integer>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_partial_attention(
+    const at::Tensor &rows_in, const at::Tensor &k_packed_in, const at::Tensor &k_scale_in,
+    const at::Tensor &k_zero_in, const at::Tensor &v_packed_in, const at::Tensor &v_scale_in,
+    const at::Tensor &v_zero_in, int64_t bits, int64_t group, const at::Tensor &visible_len_in,
+    const at::Tensor &excluded_pos_in, const at::Tensor &excluded_valid_in);
+
+// specache::step_attention, in kernels/step_cpu.cpp.
+using StepResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                              at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+StepResult step_attention(
+    const at::Tensor &rows_in, const at::Tensor &k_packed, const at::Tensor &k_scale,
+    const at::Tensor &k_zero, const at::Tensor &v_packed_in, const at::Tensor &v_scale_in,
+    const at::Tensor &v_zero_in, int64_t bits, int64_t group, bool integer,
+    const at::Tensor &quantized_len_in, const at::Tensor &fetched_k, const at::Tensor &fetched_v,
+    const at::Tensor &fetched_pos, const at::Tensor &fetched_valid, const at::Tensor &window_k_in,
+    const at::Tensor &window_v_in, const at::Tensor &window_len_in, const at::Tensor &new_k_in,
+    const at::Tensor &new_v_in, const at::Tensor &store_k_in, const at::Tensor &store_v_in,
+    int64_t n_picks, int64_t shortlist, const std::optional<at::Tensor> &discard_in, bool gqa_max,
+    int64_t n_sinks, int64_t n_spec, const at::Tensor &selectable_len_in);
+
+}  // namespace specache_cpu
