@@ -12,6 +12,9 @@
    - The heap holds the k best so far, the worst at its root: a position enters only if it beats
      the root, and blocks of positions none of which does are skipped after one vectorized
      comparison; the scan goes from the most recent block back. Ties go to the earlier position.
+   - From k = SELECT_MIN on (a shortlist lists hundreds), a radix pass over the weights' bits first
+     finds a floor that the k-th best reaches; positions below it never enter the heap, which
+     would otherwise take thousands of replacements on a flat ranking.
    - Positions the call excludes, and positions outside the range, are never chosen. Fewer
      candidates than k leave the last entries at position 0, marked invalid. */
 #include <math.h>
@@ -19,7 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define BLOCK 64 /* positions the heap's root is compared with at once */
+#define BLOCK 64       /* positions the heap's root is compared with at once */
+#define SELECT_MIN 128 /* from this k on, radix_floor bounds what enters the heap */
 
 typedef struct {
     const float *weights;         /* (B, Hkv, M, T): the low-bit weights exp(score - row_max) */
@@ -68,6 +72,35 @@ static void sift_up(Entry *heap, int64_t i) {
     }
 }
 
+static uint32_t bits_of(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return bits;
+}
+
+/* A floor that the k-th best of ranking[0, n) reaches: its value with the pattern's low 12 bits
+   cleared, found by a histogram of the top 12 bits and one of the next 8 within the bin that holds
+   the k-th best (non-negative floats order as their bit patterns; excluded positions, at -1, are
+   not counted). 0 where fewer than k positions are candidates. */
+static float radix_floor(const float *ranking, int64_t n, int64_t k) {
+    uint32_t count[4096];
+    memset(count, 0, sizeof count);
+    for (int64_t i = 0; i < n; i++)
+        if (ranking[i] >= 0.0f) count[bits_of(ranking[i]) >> 20]++;
+    int64_t above = 0, high = 4095;
+    for (; high >= 0 && above + count[high] < k; high--) above += count[high];
+    if (high < 0) return 0.0f;
+    memset(count, 0, 256 * sizeof count[0]);
+    for (int64_t i = 0; i < n; i++)
+        if (ranking[i] >= 0.0f && bits_of(ranking[i]) >> 20 == (uint32_t)high) count[(bits_of(ranking[i]) >> 12) & 255]++;
+    int64_t low = 255;
+    for (; low > 0 && above + count[low] < k; low--) above += count[low];
+    const uint32_t floor_bits = (uint32_t)high << 20 | (uint32_t)low << 12;
+    float floor;
+    memcpy(&floor, &floor_bits, sizeof floor);
+    return floor;
+}
+
 /* One query head's weights of the range [lo, hi) into `row`: low-bit weight times its scale, plus the
    fetched and window probabilities at their positions, added in that order (as the reference does). */
 static void query_head_row(const Problem *p, int64_t b, int64_t h, int64_t mi, int64_t lo, int64_t hi, float *row) {
@@ -108,20 +141,20 @@ static int rank_one(const Problem *p, int64_t b, int64_t h, float *ranking, floa
         if (p->excluded_valid[bh * p->n_excluded + j] && pos >= lo && pos < hi) ranking[pos - lo] = -1.0f;
     }
     int64_t size = 0;
+    const float least = p->k >= SELECT_MIN ? radix_floor(ranking, n, p->k) : 0.0f;
     /* From the most recent block back: attention favours recent positions, so the heap fills with
        high weights first and most older blocks are skipped (in position order, a weight that grows
        with recency would replace the root at nearly every position). The heap's order is total, so
        the result does not depend on the order of the scan. */
     for (int64_t start = (n - 1) / BLOCK * BLOCK; start >= 0; start -= BLOCK) {
         const int64_t end = start + BLOCK < n ? start + BLOCK : n;
-        if (size == p->k) {  /* a full heap: a block none of whose positions beats the root is skipped whole */
-            const float floor = p->k ? heap[0].value : INFINITY;
-            int beats = 0;
-            for (int64_t i = start; i < end; i++) beats |= ranking[i] >= floor;  /* vectorized; >=: a tie at an earlier position wins */
-            if (!beats) continue;
-        }
+        /* a block none of whose positions beats the full heap's root, or reaches the floor, is skipped whole */
+        const float floor = size < p->k ? least : p->k ? heap[0].value : INFINITY;
+        int beats = 0;
+        for (int64_t i = start; i < end; i++) beats |= ranking[i] >= floor;  /* vectorized; >=: a tie at an earlier position wins */
+        if (!beats) continue;
         for (int64_t i = start; i < end; i++) {
-            if (!(ranking[i] >= 0.0f)) continue;  /* excluded */
+            if (!(ranking[i] >= least)) continue;  /* excluded, or below the floor */
             const Entry e = {ranking[i], lo + i};
             if (size < p->k) {
                 heap[size] = e;

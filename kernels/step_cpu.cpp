@@ -14,13 +14,22 @@ namespace specache_cpu {
 namespace {
 
 constexpr float kDropRounding = 1e-5f;  // specache.py's DROP_ROUNDING
+constexpr int64_t kPrefetchAhead = 8;   // listed keys the shortlist's scoring asks for ahead
 
-// A query row (float32) times a key of the tier's dtype, in float32.
+// A query row times a key, float32, d a multiple of 8: eight partial sums, which the compiler
+// keeps in one vector register.
+float dot(const float *row, const float *key, int64_t d) {
+  float partial[8] = {};
+  for (int64_t c = 0; c < d; c += 8)
+    for (int j = 0; j < 8; j++) partial[j] += row[c + j] * key[c + j];
+  return ((partial[0] + partial[1]) + (partial[2] + partial[3])) +
+         ((partial[4] + partial[5]) + (partial[6] + partial[7]));
+}
+
+// key[0, d) <- pairs[0, d) in float32.
 template <typename Pair>
-float dot(const float *row, const Pair *key, int64_t d) {
-  float sum = 0.0f;
-  for (int64_t c = 0; c < d; c++) sum += row[c] * static_cast<float>(key[c]);
-  return sum;
+void widen(const Pair *pairs, int64_t d, float *key) {
+  for (int64_t c = 0; c < d; c++) key[c] = static_cast<float>(pairs[c]);
 }
 
 }  // namespace
@@ -245,13 +254,20 @@ StepResult step_attention(
         acc[row * d + c] = left ? acc[row * d + c] - dropped_out[row * d + c] : 0.0f;
     }
   };
-  // a row against the tier's key at position: the shortlist's exact score
-  auto exact_score = [&](const float *row, int64_t bh, int64_t position) {
-    const int64_t offset =
-        (bh * store_t + std::min(std::max<int64_t>(position, 0), store_t - 1)) * d;
-    if (pair_type == at::kFloat) return dot(row, store_k.data_ptr<float>() + offset, d);
-    if (pair_type == at::kBFloat16) return dot(row, store_k.data_ptr<at::BFloat16>() + offset, d);
-    return dot(row, store_k.data_ptr<at::Half>() + offset, d);
+  // the tier's key at position, in float32, into key
+  const void *tier_keys = store_k.data_ptr();
+  const int64_t key_bytes = store_k.element_size();
+  auto key_offset = [&](int64_t bh, int64_t position) {
+    return (bh * store_t + std::min(std::max<int64_t>(position, 0), store_t - 1)) * d;
+  };
+  auto key_at = [&](int64_t bh, int64_t position, float *key) {
+    const int64_t offset = key_offset(bh, position);
+    if (pair_type == at::kFloat)
+      std::memcpy(key, static_cast<const float *>(tier_keys) + offset, d * sizeof(float));
+    else if (pair_type == at::kBFloat16)
+      widen(static_cast<const at::BFloat16 *>(tier_keys) + offset, d, key);
+    else
+      widen(static_cast<const at::Half *>(tier_keys) + offset, d, key);
   };
   // shortlist (specache.py's rank_shortlist): of the listed candidates, the n_picks whose exact
   // keys weigh most, as exp(score - the low-bit row max) x the low-bit scale (the copy's own
@@ -264,16 +280,24 @@ StepResult step_attention(
     const float *scale = lowbit_scale.data_ptr<float>() + bh * m;
     std::vector<float> weight(n_listed, -1.0f);  // -1: not listed
     std::vector<int64_t> order(n_listed);
+    std::vector<float> key(d);
     for (int64_t i = 0; i < n_listed; i++) {
       order[i] = i;
+      // the listed keys lie anywhere in the tier: ask for one kPrefetchAhead keys on while this
+      // one is scored, so that their cache misses overlap
+      if (i + kPrefetchAhead < n_listed && listed_ok[i + kPrefetchAhead]) {
+        const char *ahead = static_cast<const char *>(tier_keys) +
+                            key_offset(bh, candidates[i + kPrefetchAhead]) * key_bytes;
+        for (int64_t line = 0; line < d * key_bytes; line += 64) __builtin_prefetch(ahead + line);
+      }
       if (!listed_ok[i]) continue;
+      key_at(bh, candidates[i], key.data());
       float most = 0.0f, total = 0.0f;
       for (int64_t g = 0; g < query_heads; g++) {  // the real row of each query head
         const int64_t r = g * s;
         // clamped: far above the copy's largest it would overflow, and inf x a scale of 0 is NaN
         const float w =
-            std::exp(std::min(exact_score(row + r * d, bh, candidates[i]) - max[r], 60.0f)) *
-            scale[r];
+            std::exp(std::min(dot(row + r * d, key.data(), d) - max[r], 60.0f)) * scale[r];
         most = std::max(most, w);
         total += w;
       }

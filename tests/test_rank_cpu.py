@@ -122,6 +122,30 @@ def test_plain_build_and_other_shapes_match_reference(native, portable, shape):
         assert_same_choice(*both(lib, inputs, s=s, row=s - 1, upper=upper, k=32))
 
 
+@pytest.mark.parametrize("gqa_max", [True, False])
+@pytest.mark.parametrize("t, k", [(1000, 128), (1000, 700), (20000, 512)])
+def test_long_lists_match_reference(native, gqa_max, t, k):
+    """From k = 128 on (a shortlist's list) a radix floor bounds what enters the heap: the same
+    choice, in the same order; sequence 0 has fewer candidates than k."""
+    inputs = problem(t=t, n_fetched=68, n_window=32)
+    upper = torch.tensor([k // 2, t])
+    (indices, valid), reference = both(native, inputs, gqa_max=gqa_max, upper=upper, k=k)
+    assert not valid[0].all() and valid[1].all()
+    assert_same_choice((indices, valid), reference)
+
+
+def test_long_lists_with_few_distinct_weights_keep_ties_in_order(native):
+    """Weights in four values: the k-th best shares its value (and the floor's bin) with hundreds
+    of positions, of which the earliest win, best first."""
+    inputs = problem(b=1, h=2, t=2000, n_fetched=0, n_window=0, n_excluded=0)
+    weights = torch.randint(1, 5, (1, 2, 1, 2000)).float() / 4
+    inputs["weights"] = weights.expand_as(inputs["weights"]).contiguous()
+    inputs["scale"] = torch.ones_like(inputs["scale"])
+    (indices, valid), _ = both(native, inputs, upper=torch.tensor([2000]), k=300)
+    expected = torch.sort(-weights[:, :, 0], stable=True).indices[..., :300]
+    assert valid.all() and torch.equal(indices, expected)
+
+
 def test_fewer_candidates_than_k_are_marked_invalid(native):
     inputs = problem(t=64)
     inputs["excluded_valid"][:] = False
