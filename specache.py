@@ -1401,14 +1401,12 @@ def step_attention_reference(
         first = first_pick_slot(fetched_pos, n_sinks, n_spec, discard)
         placed = picks_placed(n_picks, fetched_pos.shape[-1], first)
         if shortlist:
-            valid = shortlist_listed(valid, shortlist, placed)
-            read = valid.sum(-1)
+            listed = shortlist_listed(valid, shortlist, placed)
             listed_k = gather_pairs(store_k, picks)
-            chosen, valid = rank_shortlist(rows, part, merged, s, gqa, listed_k, valid, n_picks)
+            chosen, valid = rank_shortlist(rows, part, merged, s, gqa, listed_k, listed, n_picks)
             picks = picks.gather(-1, chosen)
         placed = valid & placed
-        if not shortlist:
-            read = placed.sum(-1)
+        read = (listed if shortlist else placed).sum(-1)  # the pairs read from the tier
         pairs = gather_pairs(store_k, picks), gather_pairs(store_v, picks)
         part, seg = take_picks(part, kv, seg, picks, placed, *pairs, first)
     merged = merge_segments(rows, part, seg)

@@ -332,6 +332,14 @@ QWEN = [
         "The larger model on the same needle: the full cache, our default at 1 bit and the "
         "shortlist.",
     ),
+    (
+        "qwen/ruler_16k/ruler",
+        "Qwen2.5-Coder-0.5B-Instruct: RULER at 16k",
+        "scripts/ruler.py --checkpoint checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
+        "--lengths 16384 --quick ...",
+        "One sample per task: the full cache, the paper's rule, ours at 1 and 2 bits and the "
+        "shortlist.",
+    ),
 ]
 QWEN_SUMMARY = (
     "## Qwen2.5-Coder\n\nQwen2.5-Coder-0.5B-Instruct, converted from its GGUF "
@@ -371,10 +379,11 @@ STUDY = [
     )
 ]
 SHORTLIST_SUMMARY = (
-    "## The shortlist on Gemma-3\n\n`--specache_select default,shortlist` "
+    "## The shortlist\n\n`--specache_select default,shortlist` "
     "(docs/method.md#the-shortlist-ours-an-option): the real row reads the pairs of its copy's "
-    "top 8 x picks and keeps those its exact keys weigh most. Gemma-3-270M, where our default "
-    "loses the full cache's answers: the fast tier is the same, the slow tier gives more pairs "
+    "top 8 x picks and keeps those its exact keys weigh most. First Gemma-3-270M, where our "
+    "default loses the full cache's answers, then SmolLM2's selection sweeps again, then what "
+    "it costs a CPU's decode step: the fast tier is the same, the slow tier gives more pairs "
     "per token ('fetched kB/token').\n"
 )
 SHORTLIST = [
@@ -408,6 +417,28 @@ SHORTLIST = [
         "--quick ...",
         "The same samples (seed 42) as the table above, in a second run: the shortlist with "
         "Lloyd's and with midway key levels.",
+    ),
+    (
+        "selection/shortlist/needle",
+        "SmolLM2-135M: needle, 1k-4k x 5 depths, the shortlist",
+        "scripts/needle.py --stats --methods specache-1bit:default,shortlist ...",
+        "The cells of the selection's needle sweep (at the top of this page), in a second run: "
+        "the shortlist at 1 and 2 bits.",
+    ),
+    (
+        "selection/shortlist/ruler",
+        "SmolLM2-135M: RULER at 2k and 4k, the shortlist",
+        "scripts/ruler.py --lengths 2048 4096 --samples 2 --compile --methods "
+        "specache-1bit:default,shortlist ...",
+        "The samples (seed 42) of the selection's RULER tables, in a second run.",
+    ),
+    (
+        "step/shortlist/bench",
+        "SmolLM2-135M: decode speed with the shortlist, eager",
+        "scripts/bench.py --lengths 4096 16384 --batch_sizes 1 --eager --methods full "
+        "specache-1bit specache-1bit:default,shortlist ...",
+        "One run, int4 weights, generate.py's eager mode, each layer's attention one op "
+        "(`specache::step_attention` with the shortlist in it).",
     ),
 ]
 # Measured before the default selection changed: their `specache-Nbit` rows are the paper's rule.
