@@ -25,8 +25,10 @@ Methods: `specache-1bit` (ours: half of k prefetched speculatively, half chosen 
 within the step and read then), `specache-1bit:paper` (all of k prefetched speculatively),
 `specache-nospec-1bit` (all of k read within the step: the paper's non-speculative baseline), each
 speculative one with its fetch overlapped (the default) and waited (each layer's prefetch waited
-for as soon as it is queued). The full cache in RAM runs where it fits; where it does not, the
-allocation is tried in a child process limited to this machine's memory, and its error reported.
+for as soon as it is queued). `--methods` runs others instead, each overlapped (the shortlist:
+`specache-1bit:default,shortlist`). The full cache in RAM runs where it fits; where it does not,
+the allocation is tried in a child process limited to this machine's memory, and its error
+reported.
 
 `--layout` times one layer's fetch (64 positions per KV head, 8 KV heads, a 128k-position file of
 a Llama-3-8B layer) from two layouts, position-major (B, T, Hkv, 2, D: disk_tier.py's) and per-head
@@ -421,6 +423,14 @@ def main() -> None:
         help="activations and the embedding (weights are int8)",
     )
     parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        metavar="METHOD",
+        help="SpeCache methods (scripts/bench.py's names), each with its fetch overlapped "
+        "(default: ours and the paper's, each overlapped and waited, and the non-speculative)",
+    )
+    parser.add_argument(
         "--no_full", action="store_true", help="skip the full cache even where it fits"
     )
     parser.add_argument(
@@ -467,7 +477,8 @@ def main() -> None:
         fits = try_full_cache(model, length)
         notes.append(f"- {length} tokens: {fits}.")
         print(notes[-1], file=sys.stderr)
-        methods = METHODS + (
+        chosen = METHODS if args.methods is None else [(m, True) for m in args.methods]
+        methods = chosen + (
             [("full", True)] if fits.endswith("beside the weights") and not args.no_full else []
         )
         for method, overlap in methods:
@@ -486,8 +497,9 @@ def main() -> None:
         "threads, "
         f"{IO_THREADS} I/O threads; {args.steps} steps timed warm, then cold."
     )
+    speedups = [ratios(rows)] if args.methods is None else []  # its pairs are the default's
     markdown = "\n\n".join(
-        [table(rows, title), ratios(rows), "The full cache:\n\n" + "\n".join(notes)]
+        [table(rows, title), *speedups, "The full cache:\n\n" + "\n".join(notes)]
     )
     print(markdown)
     write_report(args.out, "bench_disk", markdown, dict(rows=rows, full_cache=notes))
