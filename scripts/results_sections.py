@@ -443,6 +443,15 @@ SHORTLIST = [
         "One run, int4 weights, generate.py's eager mode, each layer's attention one op "
         "(`specache::step_attention` with the shortlist in it).",
     ),
+    (
+        "disk/shortlist/bench_disk",
+        "Llama-3-8B shape: the shortlist on the disk tier at 64k",
+        "scripts/bench_disk.py --lengths 65536 --steps 5 --no_full --methods specache-1bit "
+        "specache-1bit:default,shortlist ...",
+        "Where the slow tier is far: every listed pair is read from the disk within the step. "
+        "Synthetic keys spread attention evenly, so the listed positions differ most between "
+        "KV heads (a pessimistic case).",
+    ),
 ]
 # Measured before the default selection changed: their `specache-Nbit` rows are the paper's rule.
 SECTIONS = [
