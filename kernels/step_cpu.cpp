@@ -283,8 +283,8 @@ StepResult step_attention(
     std::vector<float> key(d);
     for (int64_t i = 0; i < n_listed; i++) {
       order[i] = i;
-      // the listed keys lie anywhere in the tier: ask for one kPrefetchAhead keys on while this
-      // one is scored, so that their cache misses overlap
+      // the listed keys lie anywhere in the tier: the key kPrefetchAhead places on is brought
+      // into the cache while this one is scored, so that their misses overlap
       if (i + kPrefetchAhead < n_listed && listed_ok[i + kPrefetchAhead]) {
         const char *ahead = static_cast<const char *>(tier_keys) +
                             key_offset(bh, candidates[i + kPrefetchAhead]) * key_bytes;
