@@ -372,16 +372,6 @@ std::tuple<at::Tensor, at::Tensor> top_positions(
   return {indices, valid};
 }
 
-// Registers `impl` as the op's implementation for CPU tensors, ahead of the Python one (for the
-// process's life).
-template <typename Impl>
-void register_cpu(const char *op, Impl impl) {
-  static std::vector<std::unique_ptr<torch::Library>> libraries;
-  libraries.push_back(std::make_unique<torch::Library>(torch::Library::IMPL, "specache",
-                                                       c10::DispatchKey::CPU, __FILE__, __LINE__));
-  libraries.back()->impl(op, impl);
-}
-
 // Keeps a C kernel's address in `slot`; the first time, registers the op's C++ implementation
 // `impl`.
 template <typename Kernel, typename Impl>
@@ -410,18 +400,6 @@ void set_cpu_kernel(const std::string &name, int64_t address) {
     hand_over(lowbit_int8_kernel, address, op, &lowbit_partial_attention<true>);
   else
     TORCH_CHECK(false, "set_cpu_kernel: no C++ implementation of ", name);
-}
-
-// specache::step_attention's C++ implementation, for CPU tensors, once the kernels it runs are
-// handed over and kernels/cpu_ops.py has registered its reference as specache_plain::step_attention
-// (the fallback); false until then.
-bool enable_step_attention() {
-  static bool registered = false;
-  const bool fallback =
-      c10::Dispatcher::singleton().findSchema({"specache_plain::step_attention", ""}).has_value();
-  if (registered || !(lowbit_kernel && merge_kernel && rank_kernel && fallback)) return registered;
-  register_cpu("step_attention", &step_attention);
-  return registered = true;
 }
 
 }  // namespace

@@ -100,18 +100,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_partial_attent
     const at::Tensor &v_zero_in, int64_t bits, int64_t group, const at::Tensor &visible_len_in,
     const at::Tensor &excluded_pos_in, const at::Tensor &excluded_valid_in);
 
-// specache::step_attention, in kernels/step_cpu.cpp.
-using StepResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                              at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-StepResult step_attention(
-    const at::Tensor &rows_in, const at::Tensor &k_packed, const at::Tensor &k_scale,
-    const at::Tensor &k_zero, const at::Tensor &v_packed_in, const at::Tensor &v_scale_in,
-    const at::Tensor &v_zero_in, int64_t bits, int64_t group, bool integer,
-    const at::Tensor &quantized_len_in, const at::Tensor &fetched_k, const at::Tensor &fetched_v,
-    const at::Tensor &fetched_pos, const at::Tensor &fetched_valid, const at::Tensor &window_k_in,
-    const at::Tensor &window_v_in, const at::Tensor &window_len_in, const at::Tensor &new_k_in,
-    const at::Tensor &new_v_in, const at::Tensor &store_k_in, const at::Tensor &store_v_in,
-    int64_t n_picks, int64_t shortlist, const std::optional<at::Tensor> &discard_in, bool gqa_max,
-    int64_t n_sinks, int64_t n_spec, const at::Tensor &selectable_len_in);
+// Registers `impl` as the op's implementation for CPU tensors, ahead of the Python one (for the
+// process's life).
+template <typename Impl>
+void register_cpu(const char *op, Impl impl) {
+  static std::vector<std::unique_ptr<torch::Library>> libraries;
+  libraries.push_back(std::make_unique<torch::Library>(torch::Library::IMPL, "specache",
+                                                       c10::DispatchKey::CPU, __FILE__, __LINE__));
+  libraries.back()->impl(op, impl);
+}
+
+// Registers specache::step_attention's C++ implementation (kernels/step_cpu.cpp) once the kernels
+// it runs are handed over and its fallback is defined; whether it is registered.
+bool enable_step_attention();
 
 }  // namespace specache_cpu

@@ -32,7 +32,8 @@ void widen(const Pair *pairs, int64_t d, float *key) {
   for (int64_t c = 0; c < d; c++) key[c] = static_cast<float>(pairs[c]);
 }
 
-}  // namespace
+using StepResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                              at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 StepResult step_attention(
     const at::Tensor &rows_in, const at::Tensor &k_packed, const at::Tensor &k_scale,
@@ -373,6 +374,20 @@ StepResult step_attention(
   });
   TORCH_CHECK(!failed, "step_attention: a C kernel rejected a problem that passed the checks");
   return {out, out_k, out_v, out_pos, out_valid, placed, kappa_pos, kappa_valid, read};
+}
+
+}  // namespace
+
+// specache::step_attention's C++ implementation, for CPU tensors, once the kernels it runs are
+// handed over and kernels/cpu_ops.py has registered its reference as specache_plain::step_attention
+// (the fallback); false until then.
+bool enable_step_attention() {
+  static bool registered = false;
+  const bool fallback =
+      c10::Dispatcher::singleton().findSchema({"specache_plain::step_attention", ""}).has_value();
+  if (registered || !(lowbit_kernel && merge_kernel && rank_kernel && fallback)) return registered;
+  register_cpu("step_attention", &step_attention);
+  return registered = true;
 }
 
 }  // namespace specache_cpu
