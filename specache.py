@@ -35,8 +35,9 @@ Choosing the exact pairs: the paper's rule and ours. With a 1-bit copy, the pape
 speculative row's top-k, averaged over each KV head's query heads) loses most needle retrievals on
 the models measured here: the speculative row attends with pairs chosen for another query, its
 choice for the next step is worse for it, and the real row pays. Ours lets the real row choose half
-of the k pairs within the step from its own low-bit scores (`pick_within_step`), and adds smaller
-changes; `Selection` names every rule.
+of the k pairs within the step from its own low-bit scores (`pick_within_step`): the copy lists 8
+candidates per pick, whose 16-bit keys decide (the shortlist). Smaller changes follow; `Selection`
+names every rule.
 
 Variants: `speculative=False` is the paper's non-speculative baseline (each step's k pairs are the
 real row's own low-bit top-k, fetched and waited for); `topk=0` is KIVI alone (the low-bit copy and
@@ -96,9 +97,10 @@ class Selection:
     levels: str = "lloyd"
     guess: str = "lookup"  # lookup (ours): the speculative token ("greedy": the paper's)
     reuse: bool = True  # reuse (ours): do not read again what the previous prefetch held
-    # shortlist (ours, an option): the real row reads the pairs of its copy's top n x picks and
-    # keeps the picks their exact keys weigh most (0: the copy's top picks, read alone)
-    shortlist: int = 0
+    # shortlist (ours): the real row reads the pairs of its copy's top n x picks and keeps the
+    # picks their exact keys weigh most (0: the copy's top picks, read alone). It costs the slow
+    # tier n x the real row's reads; what it buys is in docs/method.md#the-shortlist-ours
+    shortlist: int = 8
 
     @classmethod
     def parse(cls, select: str) -> "Selection":

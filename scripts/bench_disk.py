@@ -22,13 +22,13 @@ large tensor) is measured around each row; "% of bw" is the bytes a step reads f
 and the fast tier) over the step's time, against it.
 
 Methods: `specache-1bit` (ours: half of k prefetched speculatively, half chosen by the real token
-within the step and read then), `specache-1bit:paper` (all of k prefetched speculatively),
-`specache-nospec-1bit` (all of k read within the step: the paper's non-speculative baseline), each
-speculative one with its fetch overlapped (the default) and waited (each layer's prefetch waited
-for as soon as it is queued). `--methods` runs others instead, each overlapped (the shortlist:
-`specache-1bit:default,shortlist`). The full cache in RAM runs where it fits; where it does not,
-the allocation is tried in a child process limited to this machine's memory, and its error
-reported.
+within the step from a shortlist 8x as long, read then), `specache-1bit:paper` (all of k prefetched
+speculatively), `specache-nospec-1bit` (all of k read within the step: the paper's non-speculative
+baseline), each speculative one with its fetch overlapped (the default) and waited (each layer's
+prefetch waited for as soon as it is queued). `--methods` runs others instead, each overlapped (ours
+without the shortlist: `specache-1bit:default,shortlist=0`). The full cache in RAM runs where it
+fits; where it does not, the allocation is tried in a child process limited to this machine's
+memory, and its error reported.
 
 `--layout` times one layer's fetch (64 positions per KV head, 8 KV heads, a 128k-position file of
 a Llama-3-8B layer) from two layouts, position-major (B, T, Hkv, 2, D: disk_tier.py's) and per-head

@@ -53,6 +53,7 @@ def test_mixed_attention_on_cuda_matches_the_cpu_reference(specache_kernels):
         ("specache", "llama", "default"),
         ("specache", "llama", "default,correct=0.99"),
         ("specache", "llama", "default,shortlist=3"),
+        ("specache", "llama", "default,shortlist=0"),
         ("specache-nospec", "llama", "default"),
         ("kivi", "llama", "paper"),
         ("specache", "hybrid", "default"),

@@ -41,6 +41,7 @@ CONFIGS = {
     "paper-2bit": (specache_config("paper", bits=2, **SMALL), False),  # no reuse
     "nospec-1bit": (specache_config(bits=1, speculative=False, **SMALL), False),
     "shortlist-1bit": (specache_config("default,shortlist=3", bits=1, **SMALL), False),
+    "no-shortlist-1bit": (specache_config("default,shortlist=0", bits=1, **SMALL), False),
 }
 
 

@@ -130,6 +130,7 @@ TINY_CASES = {
     "lookup": ("lookup", 1, True, 8, True),
     "reuse": ("reuse", 1, True, 8, False),
     "default-shortlist": ("default,shortlist=3", 1, True, 8, False),
+    "default-no-shortlist": ("default,shortlist=0", 1, True, 8, False),
     "split-shortlist-fp32pairs": ("split,gqa-max,shortlist", 1, True, 8, True),
     "nonspec-shortlist-2bit": ("default,shortlist=2", 2, False, 8, False),
     "oracle": ("oracle", 1, True, 8, True),

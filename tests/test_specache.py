@@ -112,6 +112,7 @@ def test_sixteen_bit_pairs_stay_close_to_the_fp32_full_cache():
         ("specache", "default", "int8"),
         ("kivi", "paper", "int8"),
         ("specache", "default,shortlist=3", "float"),
+        ("specache", "default,shortlist=0", "float"),
         ("specache-nospec", "split,shortlist=2", "int8"),
     ],
 )

@@ -44,6 +44,7 @@ def test_head_dims_that_do_not_fill_bytes_are_refused():
         ("midway,lloyd", dataclasses.replace(PAPER, levels="lloyd")),
         ("shortlist", dataclasses.replace(PAPER, shortlist=8)),
         ("default,shortlist=4", dataclasses.replace(Selection(), shortlist=4)),
+        ("default,shortlist=0", dataclasses.replace(Selection(), shortlist=0)),
     ],
 )
 def test_selections_parse_into_their_fields_and_name_themselves(select, fields):
