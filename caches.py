@@ -186,6 +186,12 @@ class FullCache:
             return model(token, pos)
         return model(token, pos, slice_block_mask(self.block_mask, pos))
 
+    def step_rows(self, token: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        return token, pos  # a pass of several caches' rows (serve.py) masks by position
+
+    def stepped(self, logits: Tensor) -> Tensor:
+        return logits
+
     def sampled(self, token: Tensor) -> None:
         pass
 

@@ -275,7 +275,13 @@ class EvictionCache:
         pass
 
     def step(self, model: Transformer, token: Tensor, pos: Tensor) -> Tensor:
-        return model(token, pos)
+        return self.stepped(model(*self.step_rows(token, pos)))
+
+    def step_rows(self, token: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        return token, pos
+
+    def stepped(self, logits: Tensor) -> Tensor:
+        return logits
 
     def sampled(self, token: Tensor) -> None:
         pass

@@ -20,9 +20,11 @@ from quantize import Int4Linear, Int8Linear
 # ---------------------------------------------------------------------------------------------
 
 
-def multinomial_sample_one_no_sync(probs: Tensor) -> Tensor:
+def multinomial_sample_one_no_sync(
+    probs: Tensor, generator: Optional[torch.Generator] = None
+) -> Tensor:
     """Sample from probs without a device sync (the exponential-race trick gpt-fast uses)."""
-    q = torch.empty_like(probs).exponential_(1)
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
     return torch.argmax(probs / q, dim=-1, keepdim=True).to(dtype=torch.long)
 
 
@@ -36,12 +38,19 @@ def logits_to_probs(
     return torch.nn.functional.softmax(logits, dim=-1)
 
 
-def sample(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None) -> Tensor:
-    """Next token (B, 1) from the last position's logits (B, S, V); temperature 0 is greedy."""
+def sample(
+    logits: Tensor,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+) -> Tensor:
+    """Next token (B, 1) from the last position's logits (B, S, V); temperature 0 is greedy.
+    `generator`: the random numbers' source (default: torch's global one)."""
     logits = logits[:, -1].float()
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    return multinomial_sample_one_no_sync(logits_to_probs(logits, temperature, top_k))
+    probs = logits_to_probs(logits, temperature, top_k)
+    return multinomial_sample_one_no_sync(probs, generator)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,23 +79,36 @@ def prefill(
     Attention is SDPA's causal kernel, compiled or not: compiled FlexAttention prefill on CPU failed
     to build or gave wrong logits in torch 2.13 (decode, one query per sequence, is fine).
     """
-    forward = model if forward is None else forward  # (a compiled module has no truth value)
     batch, seqlen = tokens.shape
     chunk = min(chunk or seqlen, seqlen)
     last = lengths - 1  # each prompt's last row, whose logits give its first new token
     logits = None
     for first in range(0, seqlen, chunk):
-        rows = tokens[:, first : first + chunk]
-        input_pos = torch.arange(
-            start + first, start + first + rows.shape[1], device=tokens.device
-        ).expand(batch, -1)
-        here = (last - first).clamp(0, rows.shape[1] - 1).unsqueeze(1)
-        out = forward(
-            rows, input_pos, CausalPrompt(start + lengths, start + first), output_index=here
-        )
-        in_chunk = ((last >= first) & (last < first + rows.shape[1])).view(batch, 1, 1)
+        out = prefill_pass(model, tokens, lengths, start, first, chunk, forward)
+        in_chunk = ((last >= first) & (last < first + chunk)).view(batch, 1, 1)
         logits = out if logits is None else torch.where(in_chunk, out, logits)
     return sample(logits, **sampling)
+
+
+def prefill_pass(
+    model: Transformer,
+    tokens: Tensor,
+    lengths: Tensor,
+    start: int,
+    first: int,
+    chunk: int,
+    forward: Optional[Callable] = None,
+) -> Tensor:
+    """One pass of `prefill`: the prompts' rows first..first+chunk-1, at positions start+first on;
+    the logits (B, 1, V) of each prompt's last row where the pass holds it, else of its last row
+    in the pass. serve.py's engine prefills a joining sequence pass by pass, between steps."""
+    forward = model if forward is None else forward  # (a compiled module has no truth value)
+    rows = tokens[:, first : first + chunk]
+    input_pos = torch.arange(
+        start + first, start + first + rows.shape[1], device=tokens.device
+    ).expand(tokens.shape[0], -1)
+    here = (lengths - 1 - first).clamp(0, rows.shape[1] - 1).unsqueeze(1)
+    return forward(rows, input_pos, CausalPrompt(start + lengths, start + first), output_index=here)
 
 
 def pad_prompts(prompts: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:

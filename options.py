@@ -67,9 +67,11 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def add_cache_arguments(p: argparse.ArgumentParser) -> None:
+def add_cache_arguments(
+    p: argparse.ArgumentParser, whole_prompt: str = "the whole prompt in one pass"
+) -> None:
     """The KV-cache options (--cache, --specache, --specache_*, --slow_tier*, the eviction
-    budgets)."""
+    budgets); `whole_prompt`: what no --prefill_chunk means to this command, for its help."""
     g = p.add_argument_group("KV cache", "see specache.py and the README's SpeCache section")
     g.add_argument(
         "--cache",
@@ -181,9 +183,8 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="prefill at most N positions per pass, each on top of the ones before (default: the "
-        "whole "
-        "prompt in one pass): only one chunk's activations, and with SpeCache one chunk's 16-bit K "
+        help=f"prefill at most N positions per pass, each on top of the ones before (default: "
+        f"{whole_prompt}): only one chunk's activations, and with SpeCache one chunk's 16-bit K "
         "and V, are in memory at a time; SpeCache's chunks read the history's exact pairs from the "
         "slow tier (KIVI: its low-bit copy); not for streaming/h2o",
     )

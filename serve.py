@@ -6,51 +6,56 @@
         "max_tokens": 32}'
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (the model's chat
-template), GET /health (requests waiting and decoding, tokens generated since the start). Requests
-take max_tokens (chat: or max_completion_tokens), temperature (0 is greedy), top_k (an extension:
-sample among the k likeliest; top_p is not supported and must be 1), stop (up to 4 strings), seed,
-stream (server-sent events in OpenAI's chunk format, ending with `data: [DONE]`;
-stream_options.include_usage adds a usage chunk). `usage` carries the token counts and, as the extra
-field `cache`, the statistics of the batch's cache when the answer ended (for SpeCache: fast-tier
-bytes and their ratio to a 16-bit cache, bytes fetched per token); generate.py --json prints the
-same.
+template), GET /health (requests waiting, running and finished; tokens generated and tokens/s of
+the worker's busy time; the median time to first token of the latest requests; the kept
+conversations and their RAM). Requests take max_tokens (chat: or max_completion_tokens),
+temperature (0 is greedy), top_k (an extension: sample among the k likeliest; top_p is not
+supported and must be 1), stop (up to 4 strings), seed, stream (server-sent events in OpenAI's
+chunk format, ending with `data: [DONE]`; stream_options.include_usage adds a usage chunk).
+`usage` carries the token counts, `prompt_tokens_details.cached_tokens` (the prompt tokens a kept
+conversation held already) and, as the extra field `cache`, the statistics of the request's cache
+when its answer ended (for SpeCache: fast-tier bytes and their ratio to a 16-bit cache, bytes
+fetched per token); generate.py --json prints the same.
 
-Batching is static: one worker thread owns the model; requests wait in a queue (at most
---max_queue, beyond which they get HTTP 429), and whenever the worker is free it takes the oldest
-with up to --max_batch_size - 1 more that share its sampling settings and fit the context together,
-and decodes them as one ragged batch (prompts of different lengths side by side) until each has its
-answer. A request that arrives mid-batch waits for the next batch (no continuous batching). Greedy
-answers do not depend on the batch; a sampled request with a seed runs alone, so that the seed
-alone fixes its answer.
+Batching is continuous (batching.py): one worker thread owns the model; requests wait in a queue
+(at most --max_queue, beyond which they get HTTP 429), join the running batch between decode steps
+while it has fewer than --max_batch_size, and leave it as soon as their answer is complete. A
+joining prompt is prefilled --prefill_chunk tokens at a time between the others' steps, so running
+answers go on streaming. Each request has a cache of its own: greedy answers equal generate.py's
+for the same prompt (with the same --prefill_chunk), and a sampled request with a seed gives the
+same answer alone or beside others. `--batching static` lets requests join only an empty batch
+(the baseline scripts/bench_serve.py compares with).
+
+Conversations: the cache of a finished chat request is kept (up to --keep_conversations_gb of RAM,
+least recently used first out). A chat request whose tokens extend a kept cache's token for token
+(the same messages, the assistant's reply as it was sent, and a new turn) continues that cache and
+prefills only its new tokens, as chat.py does; any other starts afresh. A kept SpeCache holds its
+fast tier and, in RAM, its slow tier (the disk tier keeps its files until the cache leaves).
 
 Bad requests (malformed JSON, a field of the wrong type or an unknown one, max_tokens <= 0, a prompt
 that leaves no room in --max_seq_length, an unknown model) get HTTP 400 with an OpenAI-style
-{"error": {...}} body. A streaming client that disconnects stops its sequence (the batch ends early
-once none of its requests is still wanted). A failed request fails alone; an error in the batch's
-decoding fails that batch's requests with HTTP 500 and the server goes on.
+{"error": {...}} body. A streaming client that disconnects stops its sequence, which leaves the
+batch. A failed request fails alone; an error in a decode step fails the requests in it with HTTP
+500 and the server goes on.
 """
 
 import argparse
 import asyncio
 import json
 import sys
-import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from batching import Engine, QueueFull
 from checkpoint import UserError, load_model, load_tokenizer, resolve_checkpoint
 from openai_api import APIError, ChatRequest, CompletionRequest, Sampling, validation_message
-from generation import GenerateOptions, generate
-from model import Transformer
 from options import (
     add_cache_arguments,
     add_model_arguments,
@@ -61,6 +66,8 @@ from options import (
     validate_cache_args,
 )
 from tokenizer import IncrementalText, Tokenizer
+
+PREFILL_CHUNK = 512  # --prefill_chunk's default here
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,14 +83,17 @@ class Job:
     prompt_ids: list[int]
     max_tokens: int
     stops: list[str]
-    sampling: tuple  # (temperature, top_k, seed); equal tuples may share a batch
+    sampling: tuple  # (temperature, top_k, seed)
     tokenizer: Tokenizer
     loop: asyncio.AbstractEventLoop
+    keep: bool = False  # its cache may be kept for a request that continues it (a chat turn)
+    reused: int = 0  # prompt tokens a kept cache held already (set by the engine)
+    submitted: float = 0.0  # time.monotonic() when it entered the queue (set by the engine)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     generated: int = 0  # tokens the model gave this request, a stop token included
     sent: str = ""  # text handed to the client so far
     finished: bool = False  # the answer is complete, failed, or no longer wanted
-    stats: dict = field(default_factory=dict)  # the batch's cache statistics when this answer ended
+    stats: dict = field(default_factory=dict)  # its cache's statistics when this answer ended
     stats_source: Callable[[], dict] = dict
     # the answer's tokens (without a stop token) and text
     answer: IncrementalText = field(init=False)
@@ -144,129 +154,6 @@ class Job:
         self.finished = True
 
 
-class QueueFull(Exception):
-    pass
-
-
-class Engine:
-    """The worker thread that owns the model, and the queue it takes batches from."""
-
-    def __init__(
-        self, model: Transformer, tokenizer: Tokenizer, args: argparse.Namespace, capacity: int
-    ):
-        self.model, self.tokenizer, self.args, self.capacity = model, tokenizer, args, capacity
-        self.pending: deque[Job] = deque()
-        self.ready = threading.Condition()
-        self.cache, self.cache_rows = None, 0
-        # the batch in hand; tokens given to requests since start
-        self.decoding, self.tokens_generated = (
-            0,
-            0,
-        )
-        self.thread = threading.Thread(target=self._run, name="decode", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def submit(self, job: Job) -> None:
-        with self.ready:
-            if len(self.pending) >= self.args.max_queue:
-                raise QueueFull
-            self.pending.append(job)
-            self.ready.notify()
-
-    def _take(self) -> list[Job]:
-        """The oldest job and up to max_batch_size - 1 more with its sampling settings that fit the
-        context."""
-        with self.ready:
-            while not self.pending:
-                self.ready.wait()
-            first = self.pending.popleft()
-            batch = [first]
-            if first.sampling[0] > 0 and first.sampling[2] is not None:
-                return batch  # seeded sampling runs alone
-            for job in list(self.pending):
-                if len(batch) == self.args.max_batch_size:
-                    break
-                longest = max(len(j.prompt_ids) for j in batch + [job])
-                most = max(j.max_tokens for j in batch + [job])
-                if job.sampling == first.sampling and longest + most <= self.capacity:
-                    batch.append(job)
-                    self.pending.remove(job)
-            return batch
-
-    def _run(self) -> None:
-        while True:
-            # a client may have gone while queued
-            batch = [job for job in self._take() if not job.finished]
-            if batch:
-                self.decoding = len(batch)
-                try:
-                    self._decode(batch)
-                finally:
-                    self.decoding = 0
-
-    def cache_for(self, rows: int):
-        """The cache for a batch of `rows` sequences: the last one again if the size is the same."""
-        # a new batch size sets the model's caches up anew
-        if self.cache is None or self.cache_rows != rows:
-            self.cache = None  # the old one goes first, so that the two never take memory together
-            self.cache = cache_from_args(self.args, self.model, rows, self.capacity)
-            self.cache_rows = rows
-        return self.cache
-
-    def _decode(self, batch: list[Job]) -> None:
-        temperature, top_k, seed = batch[0].sampling
-        if seed is not None:
-            torch.manual_seed(seed)
-
-        steps = [0]  # decode steps so far (the first token comes from prefill)
-
-        def feed(tokens: torch.Tensor) -> None:
-            for job, (token,) in zip(batch, tokens.tolist()):
-                self.tokens_generated += not job.finished
-                try:
-                    job.feed(token)
-                except Exception as error:  # one request's failure (its text, say) is its own
-                    job.fail(f"{type(error).__name__}: {error}")
-            steps[0] += 1
-
-        cache = self.cache_for(len(batch))
-        for job in batch:
-            job.stats_source = lambda: cache.stats(max(1, steps[0] - 1))
-        longest = max(len(job.prompt_ids) for job in batch)
-        new_tokens = min(max(job.max_tokens for job in batch), self.capacity - longest)
-        try:
-            options = GenerateOptions(
-                prefill_chunk=self.args.prefill_chunk,
-                keep_going=lambda: not all(job.finished for job in batch),
-            )
-            generate(
-                self.model,
-                cache,
-                [job.prompt_ids for job in batch],
-                new_tokens,
-                stop_ids=frozenset(self.tokenizer.stop_ids),
-                callback=feed,
-                options=options,
-                temperature=temperature,
-                top_k=top_k,
-            )
-        except Exception as error:
-            print(
-                f"error: a batch of {len(batch)} failed: {type(error).__name__}: {error}",
-                file=sys.stderr,
-            )
-            self.cache = None  # whatever state it was left in goes
-            for job in batch:
-                job.fail(
-                    f"the batch this request was decoded in failed: {type(error).__name__}: {error}"
-                )
-            return
-        for job in batch:
-            job.finish("length")  # the context ran out before its max_tokens (no-op for the others)
-
-
 # ---------------------------------------------------------------------------------------------
 # The HTTP side
 # ---------------------------------------------------------------------------------------------
@@ -276,9 +163,9 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body, status_code=error.status)
 
 
-def make_app(engine: Engine, model_name: str) -> FastAPI:
+def make_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI:
     app = FastAPI(title="SpeCache server", docs_url=None, redoc_url=None)
-    tokenizer, capacity = engine.tokenizer, engine.capacity
+    capacity = engine.capacity
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, error: RequestValidationError):
@@ -291,12 +178,7 @@ def make_app(engine: Engine, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {
-            "status": "ok",
-            "waiting": len(engine.pending),
-            "decoding": engine.decoding,
-            "tokens_generated": engine.tokens_generated,
-        }
+        return {"status": "ok", **engine.health()}
 
     @app.get("/v1/models")
     async def models():
@@ -306,7 +188,11 @@ def make_app(engine: Engine, model_name: str) -> FastAPI:
         }
 
     def admit(
-        body: Sampling, prompt_ids: list[int], max_tokens: Optional[int], prompt_param: str
+        body: Sampling,
+        prompt_ids: list[int],
+        max_tokens: Optional[int],
+        prompt_param: str,
+        keep: bool = False,
     ) -> Job:
         if body.model != model_name:
             raise APIError(
@@ -341,13 +227,14 @@ def make_app(engine: Engine, model_name: str) -> FastAPI:
             ),
             tokenizer,
             asyncio.get_running_loop(),
+            keep,
         )
         try:
             engine.submit(job)
         except QueueFull:
             raise APIError(
                 429,
-                f"the server is busy: {engine.args.max_queue} requests are waiting already; "
+                f"the server is busy: {engine.max_queue} requests are waiting already; "
                 "try again later",
                 kind="rate_limit_error",
                 code="queue_full",
@@ -359,6 +246,7 @@ def make_app(engine: Engine, model_name: str) -> FastAPI:
             "prompt_tokens": len(job.prompt_ids),
             "completion_tokens": job.generated,
             "total_tokens": len(job.prompt_ids) + job.generated,
+            "prompt_tokens_details": {"cached_tokens": job.reused},
             "cache": job.stats,
         }
 
@@ -472,7 +360,7 @@ def make_app(engine: Engine, model_name: str) -> FastAPI:
             )
         except ValueError as error:
             raise APIError(400, str(error), param="messages") from None
-        job = admit(body, ids, body.max_completion_tokens or body.max_tokens, "messages")
+        job = admit(body, ids, body.max_completion_tokens or body.max_tokens, "messages", keep=True)
         return await respond(job, body, chat=True)
 
     return app
@@ -515,6 +403,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests that may wait for a batch; beyond, HTTP 429 (default 64)",
     )
     p.add_argument(
+        "--batching",
+        choices=("continuous", "static"),
+        default="continuous",
+        help="continuous (default): requests join the running batch between steps and leave it "
+        "when done; static: they join only an empty batch (scripts/bench_serve.py's baseline)",
+    )
+    p.add_argument(
+        "--keep_conversations_gb",
+        type=float,
+        default=1.0,
+        help="RAM for the caches of finished chat requests, least recently used first out: a "
+        "request whose messages extend one prefills only its new tokens (default 1; 0: keep none)",
+    )
+    p.add_argument(
         "--log_level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -523,7 +425,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--debug", action="store_true", help="show tracebacks instead of one-line errors"
     )
-    add_cache_arguments(p)
+    add_cache_arguments(
+        p,
+        whole_prompt=f"{PREFILL_CHUNK} here, so that running answers go on "
+        "streaming while a long prompt joins; streaming and h2o: the whole prompt",
+    )
     return p
 
 
@@ -535,14 +441,27 @@ def main(argv: Optional[list[str]] = None) -> int:
             value = getattr(args, name)
             if value is not None and value <= 0:
                 raise UserError(f"--{name} must be at least 1 (got {value})")
+        if args.keep_conversations_gb < 0:
+            raise UserError(
+                f"--keep_conversations_gb must be >= 0 (got {args.keep_conversations_gb})"
+            )
         device = pick_device(args.device)
         dtype = model_dtype(args.dtype, device)
         checkpoint = resolve_checkpoint(args.checkpoint)
         model = load_model(checkpoint, device, dtype)
         tokenizer = load_tokenizer(checkpoint, model)
         capacity = context_length(args.max_seq_length, model)
-        engine = Engine(model, tokenizer, args, capacity)
-        engine.cache_for(1)  # a bad cache setting fails here, before the server listens
+        engine = Engine(
+            model,
+            lambda: cache_from_args(args, model, 1, capacity),  # a cache for each sequence
+            capacity,
+            frozenset(tokenizer.stop_ids),
+            args.max_batch_size,
+            args.max_queue,
+            args.prefill_chunk or PREFILL_CHUNK,
+            int(args.keep_conversations_gb * 1e9),
+            static=args.batching == "static",
+        )  # a bad cache setting fails here, before the server listens
     except UserError as e:
         if args.debug:
             raise
@@ -550,14 +469,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     name = args.served_model_name or checkpoint.parent.name
     print(
-        f"Serving {name} ({checkpoint}, {dtype}, --cache {args.cache}, context {capacity}, batches "
-        "of up to "
-        f"{args.max_batch_size}) on http://{args.host}:{args.port}/v1",
+        f"Serving {name} ({checkpoint}, {dtype}, --cache {args.cache}, context {capacity}, "
+        f"{args.batching} batches of up to {args.max_batch_size}) on "
+        f"http://{args.host}:{args.port}/v1",
         file=sys.stderr,
         flush=True,
     )
     engine.start()
-    uvicorn.run(make_app(engine, name), host=args.host, port=args.port, log_level=args.log_level)
+    app = make_app(engine, tokenizer, name)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 

@@ -2193,12 +2193,19 @@ class SpeCache:
     ) -> Tensor:
         """A decode step: rows [T_t, T'_{t+1}] at [p, p + 1] (or T_t alone, not speculative); the
         real row's logits (B, 1, V)."""
+        return self.stepped(forward(*self.step_rows(token, positions)))
+
+    def step_rows(self, token: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """`step`'s first half: the rows the step's pass takes, and their positions. A caller
+        that runs several caches' rows in one pass (serve.py) calls the halves itself."""
         self.state.phase = DECODE
         if not self.speculative:
-            logits = forward(token, positions)
-        else:
-            rows, both = torch.cat([token, self.guess], 1), torch.cat([positions, positions + 1], 1)
-            logits = forward(rows, both)
+            return token, positions
+        return torch.cat([token, self.guess], 1), torch.cat([positions, positions + 1], 1)
+
+    def stepped(self, logits: Tensor) -> Tensor:
+        """`step`'s second half, after the pass: the real row's logits (B, 1, V)."""
+        if self.speculative:
             self.guessed_from, self.guess_was = logits[:, 1], self.guess
         self.advance()
         return logits[:, :1]

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from caches import make_cache
-from generation import generate
+from generation import GenerateOptions, generate
 from scripts.bench_serve import server_flags, start_server
 from serve import Job, main
 from tokenizer import get_tokenizer
@@ -150,6 +150,46 @@ def test_chat_and_completions_match_generate_streaming_or_not(
     assert streamed[-1].usage.completion_tokens == 12
 
 
+@pytest.mark.parametrize("which", ["full", "specache"])
+def test_a_second_chat_turn_continues_the_kept_conversation(
+    which, request, smollm2_model, tokenizer
+):
+    """Turn 2's messages are turn 1's, its reply as sent, and a new question: the server
+    continues turn 1's cache (usage says how many prompt tokens it held) and answers what chat.py
+    answers continuing its cache."""
+    server = request.getfixturevalue(f"{which}_server")
+    method, topk = ("full", 64) if which == "full" else ("specache", 16)
+    first = [{"role": "user", "content": "Question 7: name a colour of the sky."}]
+    reply = server.client.chat.completions.create(
+        model=MODEL, messages=first, max_tokens=16, temperature=0
+    )
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0
+    answer = reply.choices[0].message.content
+    second = first + [
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And at night?"},
+    ]
+    again = server.client.chat.completions.create(
+        model=MODEL, messages=second, max_tokens=12, temperature=0
+    )
+    turn1 = tokenizer.encode_messages(first)
+    assert again.usage.prompt_tokens == len(tokenizer.encode_messages(second))
+    assert again.usage.prompt_tokens_details.cached_tokens > len(turn1)
+
+    cache = make_cache(method, smollm2_model, 1, CONTEXT, topk=topk)
+    stop_ids = frozenset(tokenizer.stop_ids)
+    kept = GenerateOptions(keep=True)
+    tokens = generate(smollm2_model, cache, [turn1], 16, stop_ids=stop_ids, options=kept).tokens[0]
+    held = len(turn1) + len(tokens) - 1
+    assert again.usage.prompt_tokens_details.cached_tokens == held
+    rest = tokenizer.encode_messages(second)[held:]
+    kept = GenerateOptions(keep=True, held=held)
+    tokens = generate(smollm2_model, cache, [rest], 12, stop_ids=stop_ids, options=kept).tokens[0]
+    cache.finish()
+    expected = tokenizer.decode([t for t in tokens if t not in stop_ids])
+    assert again.choices[0].message.content == expected
+
+
 def test_stop_strings_and_the_stop_token_end_an_answer(full_server, smollm2_model, tokenizer):
     expected = reference(smollm2_model, tokenizer, "full", tokenizer.encode_chat(QUESTION), 24)
     cut = expected.split()[2]  # the third word ends the answer just before it
@@ -268,9 +308,9 @@ def test_a_client_that_disconnects_mid_stream_leaves_the_server_serving(full_ser
             if line.startswith("data: "):
                 break  # one chunk, then hang up
     deadline = time.time() + 60
-    while health()["decoding"] and time.time() < deadline:
+    while health()["running"] and time.time() < deadline:
         time.sleep(0.05)
-    assert health()["decoding"] == 0
+    assert health()["running"] == 0
     # its sequence stopped, well short of the 300 asked
     assert health()["tokens_generated"] - before < 150
     assert chat(full_server, "Say hi.", max_tokens=4)

@@ -1,0 +1,355 @@
+"""Continuous batching (serve.py's engine): sequences join a running batch and leave it at step
+boundaries, and a conversation's cache can be kept for its next turn.
+
+Every sequence has a cache of its own (caches.py, set up for one sequence). A decode step runs the
+model once over all the running sequences, so the weights are read once per step; in each layer,
+`ByRow` hands row i's queries, keys and values to sequence i's own cache module. A sequence that
+joins is prefilled between the others' steps, one chunk (`prefill_chunk`) at a time, so the running
+ones keep streaming; it leaves as soon as its answer is complete. Its cache then goes back to a
+pool, or, when the request allows it, into the kept conversations (`KeptConversations`): a later
+request whose tokens extend what that cache holds continues it and prefills only its new tokens,
+as chat.py does.
+
+A sequence decodes exactly as `generation.generate` decodes it alone (the same prefill chunks,
+bootstrap and steps), so greedy answers equal generate.py's; sampling draws from the sequence's own
+generator, so a seeded request gives the same answer alone or beside others.
+"""
+
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from generation import prefill_pass, sample
+from model import Transformer
+
+
+class ByRow(nn.Module):
+    """One layer's attention over several sequences, each with its cache module: row i of the
+    step's q, k, v (B, H, S, D) and positions (B, S) go to `members[i]`. Decode steps only (each
+    cache builds its own mask from the positions)."""
+
+    def __init__(self, members: list[nn.Module]):
+        super().__init__()
+        self.members = members  # a plain list: the modules belong to their caches, not to this
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask) -> Tensor:
+        if mask is not None:
+            raise ValueError("sequences run side by side only in decode steps (mask None)")
+        rows = [
+            member(q[i : i + 1], k[i : i + 1], v[i : i + 1], input_pos[i : i + 1], None)
+            for i, member in enumerate(self.members)
+        ]
+        return torch.cat(rows)
+
+
+def plug(model: Transformer, modules: list[nn.Module]) -> None:
+    """Put one cache's per-layer modules (or `ByRow`s) into the model's attention layers."""
+    for layer, module in zip(model.layers, modules):
+        layer.attention.kv_cache = module
+
+
+@dataclass
+class Slot:
+    """A cache for one sequence and the modules it plugs into the model's layers."""
+
+    cache: Any
+    modules: list[nn.Module]
+    ids: list[int] = field(default_factory=list)  # the tokens the cache holds (a kept one)
+
+    def resident_bytes(self) -> int:
+        """RAM this cache holds, as allocated (its capacity, not its length): every layer's
+        buffers, and a SpeCache slow tier in RAM (on disk it is in files)."""
+        total = sum(b.nbytes for module in self.modules for b in module.buffers())
+        if getattr(self.cache, "folder", None) is None:
+            for layer in getattr(self.cache, "layers", []):
+                tier = getattr(layer, "tier", None)
+                total += tier.nbytes() if tier is not None else 0
+        return total
+
+
+class KeptConversations:
+    """Caches of finished requests, least recently used first out, up to `budget` bytes of RAM."""
+
+    def __init__(self, budget: int, release: Callable[[Slot], None]):
+        self.budget, self.release = budget, release
+        self.slots: OrderedDict[int, Slot] = OrderedDict()  # by id(slot), oldest first
+
+    def bytes(self) -> int:
+        return sum(slot.resident_bytes() for slot in self.slots.values())
+
+    def keep(self, slot: Slot) -> None:
+        if self.budget <= 0 or slot.resident_bytes() > self.budget:
+            return self.release(slot)
+        self.slots[id(slot)] = slot
+        while self.bytes() > self.budget:
+            self.release(self.slots.popitem(last=False)[1])
+
+    def take(self, prompt: list[int]) -> Optional[Slot]:
+        """The kept cache whose tokens the prompt extends, token for token (the longest such); it
+        leaves the kept ones."""
+        best = None
+        for slot in self.slots.values():
+            n = len(slot.ids)
+            if n < len(prompt) and prompt[:n] == slot.ids and (best is None or n > len(best.ids)):
+                best = slot
+        if best is not None:
+            del self.slots[id(best)]
+        return best
+
+    def clear(self) -> None:
+        while self.slots:
+            self.release(self.slots.popitem(last=False)[1])
+
+
+@dataclass
+class Sequence:
+    """A request in the batch: its cache, the new tokens its prefill takes, where it stands."""
+
+    job: Any  # serve.Job: prompt_ids, max_tokens, sampling, keep, feed, finish, fail, finished
+    slot: Slot
+    held: int  # tokens the cache held when it joined (a kept conversation's)
+    generator: Optional[torch.Generator]
+    tokens: Tensor  # the prompt's tokens past `held` (1, S)
+    prefilled: int = 0
+    token: Optional[Tensor] = None  # the last sampled token (1, 1), not yet in the cache
+    pos: Optional[Tensor] = None  # its position (1, 1)
+    sampled: list[int] = field(default_factory=list)
+    steps: int = 0
+
+    def sample(self, logits: Tensor) -> Tensor:
+        temperature, top_k, _ = self.job.sampling
+        return sample(logits, temperature, top_k, generator=self.generator)
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Engine:
+    """The worker thread that owns the model: a queue of jobs, the sequences joining (prefilling)
+    and decoding, a pool of free caches, and the kept conversations.
+
+    Each turn of its loop admits waiting jobs while fewer than `max_batch_size` run, prefills one
+    chunk of the oldest joining sequence, then takes one decode step of every decoding one."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        make_cache: Callable[[], Any],
+        capacity: int,
+        stop_ids: frozenset,
+        max_batch_size: int = 8,
+        max_queue: int = 64,
+        prefill_chunk: Optional[int] = None,
+        keep_bytes: int = 0,
+        static: bool = False,
+    ):
+        self.model, self.make_cache, self.capacity = model, make_cache, capacity
+        self.static = (
+            static  # jobs join only an empty batch (the baseline continuous batching beats)
+        )
+        self.stop_ids, self.max_batch_size, self.max_queue = stop_ids, max_batch_size, max_queue
+        self.pending: deque = deque()
+        self.ready = threading.Condition()
+        self.joining: deque[Sequence] = deque()
+        self.decoding: list[Sequence] = []
+        self.free: list[Slot] = []
+        self.kept = KeptConversations(keep_bytes, self._release)
+        probe = self._new_slot()  # a bad cache setting fails here, before anything is served
+        self.chunks = probe.cache.chunks  # whether prompts may go in chunks, on top of a history
+        self.prefill_chunk = prefill_chunk if self.chunks else None
+        self.free.append(probe)
+        # what /health reports; written by the worker only
+        self.started = time.monotonic()
+        self.finished_jobs, self.tokens_generated, self.prompt_tokens_reused = 0, 0, 0
+        self.kept_bytes, self.busy_seconds = 0, 0.0
+        self.first_token_seconds: deque[float] = deque(maxlen=256)  # the latest requests'
+        self.thread = threading.Thread(target=self._run, name="decode", daemon=True)
+
+    # --- the queue -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, job) -> None:
+        with self.ready:
+            if len(self.pending) >= self.max_queue:
+                raise QueueFull
+            job.submitted = time.monotonic()
+            self.pending.append(job)
+            self.ready.notify()
+
+    def running(self) -> int:
+        return len(self.joining) + len(self.decoding)
+
+    def _admit(self) -> None:
+        """Jobs join while there is room; with nothing to do, wait for one."""
+        with self.ready:
+            while not self.pending and not self.running():
+                self.ready.wait()
+            if self.static and self.running():
+                return
+            while self.pending and self.running() < self.max_batch_size:
+                job = self.pending.popleft()
+                if not job.finished:  # a client may have gone while queued
+                    self._join(job)
+
+    # --- caches ----------------------------------------------------------------------------
+
+    def _new_slot(self) -> Slot:
+        cache = self.make_cache()  # it plugs its modules into the model
+        return Slot(cache, [layer.attention.kv_cache for layer in self.model.layers])
+
+    def _release(self, slot: Slot) -> None:
+        """A cache no sequence holds any more: its files go (a disk tier); it waits in the pool
+        for the next sequence, up to one per batch row."""
+        slot.cache.finish()
+        slot.ids = []
+        if len(self.free) < self.max_batch_size:
+            self.free.append(slot)
+
+    def _join(self, job) -> None:
+        slot = self.kept.take(job.prompt_ids) if job.keep and self.chunks else None
+        held = len(slot.ids) if slot is not None else 0
+        if slot is None:
+            slot = self.free.pop() if self.free else self._new_slot()
+        self.kept_bytes = self.kept.bytes()
+        device = self.model.tok_embeddings.weight.device
+        seed = job.sampling[2]
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device).manual_seed(seed)
+        tokens = torch.tensor([job.prompt_ids[held:]], device=device)
+        job.reused = held
+        self.joining.append(Sequence(job, slot, held, generator, tokens))
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._admit()
+            start = time.monotonic()
+            if self.joining:
+                self._prefill(self.joining[0])
+            if self.decoding:
+                self._step()
+            self.busy_seconds += time.monotonic() - start
+
+    def health(self) -> dict:
+        """What /health reports: the queue, the batch, throughput, time to first token, and the
+        kept conversations."""
+        latest = sorted(self.first_token_seconds)
+        return {
+            "waiting": len(self.pending),
+            "running": self.running(),
+            "finished": self.finished_jobs,
+            "tokens_generated": self.tokens_generated,
+            "tokens_per_second": self.tokens_generated / max(self.busy_seconds, 1e-9),
+            "time_to_first_token_median_s": latest[len(latest) // 2] if latest else None,
+            "kept_conversations": len(self.kept.slots),
+            "kept_conversations_bytes": self.kept_bytes,
+            "prompt_tokens_reused": self.prompt_tokens_reused,
+            "uptime_s": time.monotonic() - self.started,
+        }
+
+    @torch.no_grad()
+    def _prefill(self, seq: Sequence) -> None:
+        """One chunk of a joining sequence's prompt; after the last, its first token."""
+        if seq.job.finished:  # gone while joining: what its cache holds is not a whole prompt
+            self.joining.popleft()
+            return self._release(seq.slot)
+        cache, length = seq.slot.cache, seq.tokens.shape[1]
+        lengths = torch.tensor([length], device=seq.tokens.device)
+        plug(self.model, seq.slot.modules)
+        try:
+            if seq.prefilled == 0:
+                cache.begin(seq.tokens, lengths, seq.held)
+            chunk = self.prefill_chunk or length
+            logits = prefill_pass(self.model, seq.tokens, lengths, seq.held, seq.prefilled, chunk)
+            seq.prefilled += chunk
+            if seq.prefilled < length:
+                return
+            self.joining.popleft()
+            first = seq.sample(logits)
+            seq.pos = torch.tensor([[seq.held + length]], device=seq.tokens.device)
+            cache.sampled(first)
+            cache.bootstrap(self.model, first, seq.pos)
+        except Exception as error:
+            if seq in self.joining:
+                self.joining.remove(seq)
+            seq.job.fail(f"{type(error).__name__}: {error}")
+            return self._drop(seq)
+        seq.job.stats_source = lambda: cache.stats(max(1, seq.steps))
+        self.first_token_seconds.append(time.monotonic() - seq.job.submitted)
+        self.prompt_tokens_reused += seq.held
+        self.decoding.append(seq)
+        self._feed(seq, first)
+
+    @torch.no_grad()
+    def _step(self) -> None:
+        """One decode step of every decoding sequence, in one pass of the model."""
+        seqs = list(self.decoding)
+        if len(seqs) == 1:
+            plug(self.model, seqs[0].slot.modules)
+        else:
+            layers = zip(*(seq.slot.modules for seq in seqs))
+            plug(self.model, [ByRow(list(members)) for members in layers])
+        try:
+            rows, positions = zip(*(s.slot.cache.step_rows(s.token, s.pos) for s in seqs))
+            logits = self.model(torch.cat(rows), torch.cat(positions))
+            tokens = []
+            for i, seq in enumerate(seqs):
+                token = seq.sample(seq.slot.cache.stepped(logits[i : i + 1]))
+                seq.slot.cache.sampled(token)
+                seq.pos = seq.pos + 1
+                seq.steps += 1
+                tokens.append(token)
+        except Exception as error:
+            message = f"{type(error).__name__}: {error}"
+            print(f"error: a step of {len(seqs)} sequences failed: {message}", flush=True)
+            for seq in seqs:
+                seq.job.fail(f"the step this request was in failed: {message}")
+                self.decoding.remove(seq)
+                self._drop(seq)
+            return
+        for seq, token in zip(seqs, tokens):
+            self._feed(seq, token)
+
+    def _feed(self, seq: Sequence, token: Tensor) -> None:
+        """The sequence's new token to its job; a finished job's sequence leaves at once."""
+        seq.token = token
+        seq.sampled.append(int(token))
+        self.tokens_generated += 1
+        job = seq.job
+        try:
+            job.feed(int(token))
+        except Exception as error:  # one request's failure (its text, say) is its own
+            job.fail(f"{type(error).__name__}: {error}")
+        if job.finished:
+            self._retire(seq)
+
+    def _retire(self, seq: Sequence) -> None:
+        slot = seq.slot
+        if seq.job.keep and self.chunks:
+            # the cache holds the prompt and every sampled token but the last (chat.py's rule)
+            slot.cache.finish(keep=True)
+            slot.ids = list(seq.job.prompt_ids) + seq.sampled[:-1]
+            self.kept.keep(slot)
+            self.kept_bytes = self.kept.bytes()
+        else:
+            self._release(slot)
+        self.finished_jobs += 1
+        self.decoding.remove(seq)  # last: a sequence counts as running until its cache is put away
+
+    def _drop(self, seq: Sequence) -> None:
+        """A cache left in an unknown state by an error: its files go, the cache is not reused."""
+        try:
+            seq.slot.cache.finish()
+        except Exception as error:
+            print(f"error: a failed sequence's cache did not finish: {error}", flush=True)

@@ -1,0 +1,176 @@
+"""serve.py's engine (batching.py) on a tiny random model, without HTTP: sequences that join a
+running batch and leave it decode what generation.generate decodes alone, and a kept conversation
+continues as chat.py continues one."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from batching import Engine, Slot
+from caches import make_cache
+from generation import GenerateOptions, generate
+from tests.conftest import tiny_model
+
+CAPACITY = 256
+CHUNK = 32  # prompts of 40-120 tokens take 2-4 passes
+SMALL = dict(topk=8, group=16, residual=16)
+METHODS = {
+    "full": ("full", {}),
+    "specache": ("specache-1bit", SMALL),
+    "specache-disk": ("specache-1bit", dict(SMALL, slow_tier="disk")),
+    "kivi": ("kivi-1bit", dict(group=16, residual=16)),
+}
+
+
+class Collect:
+    """A job as the engine sees it (serve.Job's fields), that records its tokens."""
+
+    def __init__(self, prompt, max_tokens, sampling=(0.0, None, None), keep=False):
+        self.prompt_ids, self.max_tokens, self.sampling, self.keep = (
+            prompt,
+            max_tokens,
+            sampling,
+            keep,
+        )
+        self.tokens, self.finished, self.error = [], False, None
+        self.done = threading.Event()
+        self.stats_source = dict
+
+    def feed(self, token: int) -> None:
+        self.tokens.append(token)
+        if len(self.tokens) >= self.max_tokens:
+            self.finish("length")
+
+    def finish(self, reason: str) -> None:
+        self.finished = True
+        self.stats = self.stats_source()
+        self.done.set()
+
+    def fail(self, message: str) -> None:
+        self.finished, self.error = True, message
+        self.done.set()
+
+    def result(self) -> list[int]:
+        assert self.done.wait(120), "the engine did not answer"
+        assert self.error is None, self.error
+        return self.tokens
+
+
+def prompts(n: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(40, 120, (n,), generator=g).tolist()
+    return [torch.randint(1, 97, (n,), generator=g).tolist() for n in lengths]
+
+
+def settled(engine: Engine) -> dict:
+    """/health's figures once the engine has put every finished sequence's cache away."""
+    for _ in range(1000):
+        if not engine.running() and not engine.pending:
+            return engine.health()
+        time.sleep(0.01)
+    raise AssertionError("the engine is still running sequences")
+
+
+def engine_for(model, method, options, **kwargs) -> Engine:
+    engine = Engine(
+        model,
+        lambda: make_cache(method, model, 1, CAPACITY, **options),
+        CAPACITY,
+        frozenset(),
+        prefill_chunk=CHUNK,
+        **kwargs,
+    )
+    engine.start()
+    return engine
+
+
+def alone(model, method, options, prompt, max_tokens, held=0, cache=None, **sampling):
+    cache = cache or make_cache(method, model, 1, CAPACITY, **options)
+    run = GenerateOptions(prefill_chunk=CHUNK, held=held, keep=True)
+    result = generate(model, cache, [prompt], max_tokens, options=run, **sampling)
+    return result.tokens[0], cache
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_sequences_that_join_and_leave_decode_what_they_decode_alone(name):
+    """Six requests of different lengths and answer lengths through a batch of 3: later ones join
+    while earlier ones decode (their prefill in passes between the others' steps), and each leaves
+    when done. Every answer equals generate's for that prompt alone (greedy)."""
+    method, options = METHODS[name]
+    model = tiny_model()
+    jobs = [Collect(p, 6 + 5 * i) for i, p in enumerate(prompts(6))]
+    engine = engine_for(model, method, options, max_batch_size=3)
+    for job in jobs:
+        engine.submit(job)
+    answers = [job.result() for job in jobs]
+    references = [alone(model, method, options, job.prompt_ids, job.max_tokens)[0] for job in jobs]
+    assert answers == references
+    assert settled(engine)["finished"] == 6
+
+
+def test_a_seeded_request_samples_the_same_answer_alone_or_beside_others():
+    model = tiny_model()
+    method, options = METHODS["specache"]
+    seeded = (0.9, 20, 1234)
+    first, *others = prompts(4, seed=3)
+    engine = engine_for(model, method, options, max_batch_size=4)
+    lone = Collect(first, 20, seeded)
+    engine.submit(lone)
+    lone_answer = lone.result()
+    beside = [Collect(p, 20, (0.7, None, None)) for p in others]
+    again = Collect(first, 20, seeded)
+    for job in [beside[0], again, *beside[1:]]:
+        engine.submit(job)
+    assert again.result() == lone_answer
+    other = Collect(first, 20, (0.9, 20, 99))
+    engine.submit(other)
+    assert other.result() != lone_answer
+
+
+@pytest.mark.parametrize("name", ["full", "specache", "specache-disk"])
+def test_a_request_that_extends_a_kept_conversation_prefills_only_its_new_tokens(name):
+    """Turn 2 extends turn 1's prompt and answer: the engine continues turn 1's cache (it
+    reports the tokens reused) and answers what generate answers continuing a kept cache, as
+    chat.py does; a request that extends nothing kept starts afresh."""
+    method, options = METHODS[name]
+    model = tiny_model()
+    engine = engine_for(model, method, options, max_batch_size=2, keep_bytes=10**9)
+    turn1 = Collect(prompts(1)[0], 12, keep=True)
+    engine.submit(turn1)
+    answer1 = turn1.result()
+    held = len(turn1.prompt_ids) + len(answer1) - 1  # the answer's last token is not in the cache
+    new = [answer1[-1], 5, 6, 7, 8, 9]
+    turn2 = Collect(turn1.prompt_ids + answer1[:-1] + new, 10, keep=True)
+    engine.submit(turn2)
+    answer2 = turn2.result()
+    assert turn2.reused == held
+    reference1, cache = alone(model, method, options, turn1.prompt_ids, 12)
+    assert reference1 == answer1
+    reference2, cache = alone(model, method, options, new, 10, held=held, cache=cache)
+    cache.finish()
+    assert answer2 == reference2
+    stranger = Collect([3, 1, 4] + turn1.prompt_ids, 4, keep=True)
+    engine.submit(stranger)
+    stranger.result()
+    assert stranger.reused == 0
+    assert settled(engine)["kept_conversations"] == 2  # turn 2's cache and the stranger's
+
+
+def test_kept_conversations_stay_within_their_budget_and_their_files_go(tmp_path):
+    """The LRU keeps what fits in its bytes, oldest out first; a disk tier's folder goes with
+    the cache that leaves."""
+    model = tiny_model()
+    options = dict(SMALL, slow_tier="disk", slow_tier_dir=str(tmp_path))
+    cache = make_cache("specache-1bit", model, 1, CAPACITY, **options)
+    one = Slot(cache, [layer.attention.kv_cache for layer in model.layers]).resident_bytes()
+    engine = engine_for(model, "specache-1bit", options, max_batch_size=1, keep_bytes=2 * one)
+    for prompt in prompts(4, seed=5):
+        job = Collect(prompt, 4, keep=True)
+        engine.submit(job)
+        job.result()
+    health = settled(engine)
+    assert health["kept_conversations"] == 2 and health["kept_conversations_bytes"] <= 2 * one
+    # two kept caches' folders, none for the pooled cache or the two that left
+    assert len(list(tmp_path.iterdir())) == 2
