@@ -121,6 +121,7 @@ class Sequence:
     pos: Optional[Tensor] = None  # its position (1, 1)
     sampled: list[int] = field(default_factory=list)
     steps: int = 0
+    passed_over: int = 0  # times another joining sequence was prefilled before this one
 
     def sample(self, logits: Tensor) -> Tensor:
         temperature, top_k, _ = self.job.sampling
@@ -136,7 +137,8 @@ class Engine:
     and decoding, a pool of free caches, and the kept conversations.
 
     Each turn of its loop admits waiting jobs while fewer than `max_batch_size` run, prefills one
-    chunk of the oldest joining sequence, then takes one decode step of every decoding one."""
+    chunk of a joining sequence (`_next_to_prefill`), then takes one decode step of every decoding
+    one."""
 
     def __init__(
         self,
@@ -236,7 +238,7 @@ class Engine:
             self._admit()
             start = time.monotonic()
             if self.joining:
-                self._prefill(self.joining[0])
+                self._prefill(self._next_to_prefill())
             if self.decoding:
                 self._step()
             self.busy_seconds += time.monotonic() - start
@@ -258,11 +260,23 @@ class Engine:
             "uptime_s": time.monotonic() - self.started,
         }
 
+    def _next_to_prefill(self) -> Sequence:
+        """The joining sequence with the fewest prompt tokens left, so that a short request's first
+        token does not wait for a long prompt's every chunk; but the oldest goes once it has been
+        passed over max_batch_size times, so that a stream of short requests cannot starve it."""
+        oldest = self.joining[0]
+        if oldest.passed_over >= self.max_batch_size:
+            return oldest
+        chosen = min(self.joining, key=lambda seq: seq.tokens.shape[1] - seq.prefilled)
+        if chosen is not oldest:
+            oldest.passed_over += 1
+        return chosen
+
     @torch.no_grad()
     def _prefill(self, seq: Sequence) -> None:
         """One chunk of a joining sequence's prompt; after the last, its first token."""
         if seq.job.finished:  # gone while joining: what its cache holds is not a whole prompt
-            self.joining.popleft()
+            self.joining.remove(seq)
             return self._release(seq.slot)
         cache, length = seq.slot.cache, seq.tokens.shape[1]
         lengths = torch.tensor([length], device=seq.tokens.device)
@@ -275,7 +289,7 @@ class Engine:
             seq.prefilled += chunk
             if seq.prefilled < length:
                 return
-            self.joining.popleft()
+            self.joining.remove(seq)
             first = seq.sample(logits)
             seq.pos = torch.tensor([[seq.held + length]], device=seq.tokens.device)
             cache.sampled(first)

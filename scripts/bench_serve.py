@@ -13,9 +13,22 @@ at most --max_tokens new tokens, greedy (the prompts are prose the model continu
 stops early counts the tokens it has). One warm-up request goes first. Reported: requests/s and
 generated tokens/s over
 the wall-clock of all of a concurrency's requests, the median latency of a request, and the
-server's peak resident memory (VmHWM, after all concurrencies). Requests that arrive together are
-decoded as one static batch, so the figures are those of batches of up to C sequences, prefill
-included.
+server's peak resident memory (VmHWM, after all concurrencies), with the server's default
+(continuous) batching.
+
+    python scripts/bench_serve.py --workload mixed    # static against continuous batching
+    python scripts/bench_serve.py --workload turns    # a second chat turn, kept or prefilled again
+
+`mixed`: per method, one server with `--batching static` and one with `continuous` (batches of 8)
+take the same --mixed_requests streamed completions from 8 clients, each sending its next request
+when the last is answered: every 4th has a --prompt_tokens prompt, the rest --short_tokens.
+Reported: the short requests' median time to first token (the first text chunk), the long ones',
+and generated tokens/s over the run's wall-clock; continuous over static in the ratio columns.
+
+`turns`: per method, a chat's first turn (a --prompt_tokens message, 16 tokens of reply) and then
+its second turn (the reply and a short question), streamed, on a server that keeps conversations
+and on one that keeps none (`--keep_conversations_gb 0`, so the second turn prefills it all): the
+second turn's time to first token, and the prompt tokens the server reused.
 """
 
 import argparse
@@ -25,6 +38,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 import httpx
 import openai
@@ -97,46 +111,28 @@ def peak_rss_bytes(pid: int) -> int:
     return 0
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def serve(checkpoint: Path, context: int, flags: list[str], port: int, log: Path):
+    """A server on `checkpoint` with `flags`, and an `openai` client for it."""
+    process = start_server(
+        ["--checkpoint", str(checkpoint), "--max_seq_length", str(context), *flags], port, log
     )
-    parser.add_argument(
-        "--checkpoint", type=Path, default=None, help="default: the embedded SmolLM2"
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=1800, max_retries=0
     )
-    parser.add_argument("--methods", nargs="+", default=["full", "specache-1bit"])
-    parser.add_argument("--prompt_tokens", type=int, default=2048)
-    parser.add_argument("--max_tokens", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
-    parser.add_argument(
-        "--requests", type=int, default=2, help="requests per client, one after the other"
-    )
-    parser.add_argument("--port", type=int, default=8765)
-    parser.add_argument(
-        "--out", type=Path, default=None, help="also write serve.md and serve.json here"
-    )
-    args = parser.parse_args()
-    checkpoint = resolve_checkpoint(args.checkpoint)
-    tokenizer = get_tokenizer(checkpoint.parent)
-    context = -(-(args.prompt_tokens + args.max_tokens + 8) // 64) * 64
-    rows, log = [], Path("/tmp") / f"bench_serve_{args.port}.log"
+    return process, client
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    process.wait(timeout=60)
+
+
+def load(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[str, dict]:
+    """Requests/s and tokens/s at each concurrency."""
+    rows = []
     for method in args.methods:
-        process = start_server(
-            [
-                "--checkpoint",
-                str(checkpoint),
-                "--max_seq_length",
-                str(context),
-                "--max_batch_size",
-                str(max(args.concurrency)),
-                *server_flags(method),
-            ],
-            args.port,
-            log,
-        )
-        client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", timeout=1800, max_retries=0
-        )
+        flags = ["--max_batch_size", str(max(args.concurrency)), *server_flags(method)]
+        process, client = serve(checkpoint, context, flags, args.port, log)
         model = client.models.list().data[0].id
         try:
 
@@ -179,15 +175,12 @@ def main() -> None:
             for row in rows:
                 row.setdefault("peak_rss_gb", peak / 1e9)
         finally:
-            process.terminate()
-            process.wait(timeout=60)
+            stop(process)
     full = {r["concurrency"]: r for r in rows if r["method"] == args.methods[0]}
     lines = [
         f"{checkpoint.parent.name}, {args.prompt_tokens}-token prompts, {args.max_tokens} new "
-        "tokens, greedy, "
-        f"{args.requests} requests per client, eager, context {context}; ratios over "
-        f"{args.methods[0]} at the "
-        "same concurrency",
+        f"tokens, greedy, {args.requests} requests per client, eager, context {context}; ratios "
+        f"over {args.methods[0]} at the same concurrency",
         "",
         "| method | concurrency | requests | req/s | tok/s | median latency s | peak RSS GB | "
         "tok/s ratio |",
@@ -199,10 +192,190 @@ def main() -> None:
         f"{r['tokens_per_s'] / full[r['concurrency']]['tokens_per_s']:.2f}x |"
         for r in rows
     ]
-    markdown = "\n".join(lines)
+    return "\n".join(lines), dict(rows=rows)
+
+
+def streamed(stream, started: float) -> tuple[Optional[float], int, int]:
+    """Time to the first text chunk, completion tokens and reused prompt tokens of a stream."""
+    first, tokens, reused = None, 0, 0
+    for chunk in stream:
+        choice = chunk.choices[0] if chunk.choices else None
+        text = (
+            None
+            if choice is None
+            else getattr(choice, "text", None)
+            or (choice.delta.content if getattr(choice, "delta", None) else None)
+        )
+        if text and first is None:
+            first = time.perf_counter() - started
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+            details = chunk.usage.prompt_tokens_details
+            reused = (details.cached_tokens or 0) if details else 0
+    return first, tokens, reused
+
+
+def mixed(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[str, dict]:
+    """Static against continuous batching on one workload of short and long prompts."""
+    rows = []
+    for method in args.methods:
+        for batching in ("static", "continuous"):
+            flags = ["--max_batch_size", "8", "--batching", batching, *server_flags(method)]
+            process, client = serve(checkpoint, context, flags, args.port, log)
+            model = client.models.list().data[0].id
+
+            def ask(i: int) -> dict:
+                long = i % 4 == 0
+                size = args.prompt_tokens if long else args.short_tokens
+                prompt = prompt_text(tokenizer, size, 5000 + i)
+                started = time.perf_counter()
+                stream = client.completions.create(
+                    model=model,
+                    prompt=prompt,
+                    max_tokens=args.max_tokens,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                ttft, tokens, _ = streamed(stream, started)
+                return dict(long=long, ttft=ttft, tokens=tokens)
+
+            try:
+                ask(1)  # warm-up
+                started = time.perf_counter()
+                with ThreadPoolExecutor(8) as pool:
+                    done = list(pool.map(ask, range(args.mixed_requests)))
+                wall = time.perf_counter() - started
+            finally:
+                stop(process)
+            short = [d["ttft"] for d in done if not d["long"] and d["ttft"] is not None]
+            long = [d["ttft"] for d in done if d["long"] and d["ttft"] is not None]
+            rows.append(
+                dict(
+                    method=method,
+                    batching=batching,
+                    requests=len(done),
+                    wall_s=wall,
+                    tokens_per_s=sum(d["tokens"] for d in done) / wall,
+                    short_ttft_median_s=statistics.median(short),
+                    long_ttft_median_s=statistics.median(long),
+                )
+            )
+            print(f"{method} {batching}: {rows[-1]}", file=sys.stderr, flush=True)
+    static = {r["method"]: r for r in rows if r["batching"] == "static"}
+    lines = [
+        f"{checkpoint.parent.name}, {args.mixed_requests} streamed completions from 8 clients, "
+        f"every 4th with a {args.prompt_tokens}-token prompt and the rest {args.short_tokens}, "
+        f"{args.max_tokens} new tokens, greedy, batches of 8, eager, context {context}; ratios: "
+        "continuous over static for the same method",
+        "",
+        "| method | batching | wall s | tok/s | short TTFT median s | long TTFT median s | "
+        "tok/s ratio | short TTFT ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        base = static[r["method"]]
+        lines.append(
+            f"| {r['method']} | {r['batching']} | {r['wall_s']:.1f} | {r['tokens_per_s']:.1f} | "
+            f"{r['short_ttft_median_s']:.2f} | {r['long_ttft_median_s']:.2f} | "
+            f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+            f"{r['short_ttft_median_s'] / base['short_ttft_median_s']:.2f}x |"
+        )
+    return "\n".join(lines), dict(rows=rows)
+
+
+def turns(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[str, dict]:
+    """A second chat turn's time to first token, with its conversation kept and without."""
+    rows = []
+    first = [
+        {
+            "role": "user",
+            "content": prompt_text(tokenizer, args.prompt_tokens, 7) + "\nWhat is this about?",
+        }
+    ]
+    for method in args.methods:
+        for keep in ("1", "0"):
+            flags = ["--keep_conversations_gb", keep, *server_flags(method)]
+            process, client = serve(checkpoint, context, flags, args.port, log)
+            model = client.models.list().data[0].id
+            try:
+                reply = client.chat.completions.create(
+                    model=model, messages=first, max_tokens=16, temperature=0
+                )
+                second = first + [
+                    {"role": "assistant", "content": reply.choices[0].message.content},
+                    {"role": "user", "content": "Say it in five words."},
+                ]
+                started = time.perf_counter()
+                stream = client.chat.completions.create(
+                    model=model,
+                    messages=second,
+                    max_tokens=args.max_tokens,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                ttft, _, reused = streamed(stream, started)
+            finally:
+                stop(process)
+            rows.append(dict(method=method, kept=keep == "1", ttft_s=ttft, reused_tokens=reused))
+            print(f"{method} kept={keep}: {rows[-1]}", file=sys.stderr, flush=True)
+    fresh = {r["method"]: r for r in rows if not r["kept"]}
+    lines = [
+        f"{checkpoint.parent.name}, a chat's second turn after a {args.prompt_tokens}-token first "
+        f"message and a 16-token reply, streamed, greedy, eager, context {context}; ratio: over "
+        "the same turn prefilled whole",
+        "",
+        "| method | conversation | second turn's TTFT s | prompt tokens reused | TTFT ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {'kept' if r['kept'] else 'prefilled again'} | "
+            f"{r['ttft_s']:.2f} | {r['reused_tokens']} | "
+            f"{r['ttft_s'] / fresh[r['method']]['ttft_s']:.2f}x |"
+        )
+    return "\n".join(lines), dict(rows=rows)
+
+
+WORKLOADS = {"load": load, "mixed": mixed, "turns": turns}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--checkpoint", type=Path, default=None, help="default: the embedded SmolLM2"
+    )
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="load")
+    parser.add_argument("--methods", nargs="+", default=["full", "specache-1bit"])
+    parser.add_argument("--prompt_tokens", type=int, default=2048)
+    parser.add_argument("--max_tokens", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument(
+        "--requests", type=int, default=2, help="load: requests per client, one after the other"
+    )
+    parser.add_argument(
+        "--short_tokens", type=int, default=64, help="mixed: the short prompts' tokens"
+    )
+    parser.add_argument(
+        "--mixed_requests", type=int, default=32, help="mixed: requests in all (default 32)"
+    )
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument(
+        "--out", type=Path, default=None, help="also write serve.md and serve.json here"
+    )
+    args = parser.parse_args()
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    tokenizer = get_tokenizer(checkpoint.parent)
+    # room for the prompt, the answer, the chat format and a second turn
+    context = -(-(args.prompt_tokens + 2 * args.max_tokens + 96) // 64) * 64
+    log = Path("/tmp") / f"bench_serve_{args.port}.log"
+    markdown, data = WORKLOADS[args.workload](args, checkpoint, tokenizer, context, log)
     print(markdown)
     if args.out:
-        write_report(args.out, "serve", markdown, dict(rows=rows))
+        write_report(args.out, "serve", markdown, data)
 
 
 if __name__ == "__main__":

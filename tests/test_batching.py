@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from batching import Engine, Slot
+from batching import Engine, Sequence, Slot
 from caches import make_cache
 from generation import GenerateOptions, generate
 from tests.conftest import tiny_model
@@ -174,3 +174,28 @@ def test_kept_conversations_stay_within_their_budget_and_their_files_go(tmp_path
     assert health["kept_conversations"] == 2 and health["kept_conversations_bytes"] <= 2 * one
     # two kept caches' folders, none for the pooled cache or the two that left
     assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_the_shortest_prompt_joins_first_but_the_oldest_is_not_starved():
+    model = tiny_model()
+    engine = Engine(
+        model,
+        lambda: make_cache("full", model, 1, CAPACITY),
+        CAPACITY,
+        frozenset(),
+        max_batch_size=3,
+    )
+
+    def joining(length: int) -> Sequence:
+        return Sequence(Collect([1] * length, 4), engine.free[0], 0, None, torch.ones(1, length))
+
+    long = joining(200)
+    engine.joining.extend([long, joining(50)])
+    chosen = []
+    for _ in range(5):
+        seq = engine._next_to_prefill()
+        chosen.append(seq.tokens.shape[1])
+        if seq is not long:  # a short one joins; another short one arrives
+            engine.joining.remove(seq)
+            engine.joining.append(joining(50))
+    assert chosen == [50, 50, 50, 200, 200]  # passed over 3 times (max_batch_size), then first
