@@ -62,29 +62,29 @@ class Slot:
     modules: list[nn.Module]
     ids: list[int] = field(default_factory=list)  # the tokens the cache holds (a kept one)
 
-    def resident_bytes(self) -> int:
-        """RAM this cache holds, as allocated (its capacity, not its length): every layer's
-        buffers, and a SpeCache slow tier in RAM (on disk it is in files)."""
+    def nbytes(self) -> int:
+        """The bytes this cache holds, as allocated (its capacity, not its length): every layer's
+        buffers, and a SpeCache's slow tier, in RAM or in files on disk."""
         total = sum(b.nbytes for module in self.modules for b in module.buffers())
-        if getattr(self.cache, "folder", None) is None:
-            for layer in getattr(self.cache, "layers", []):
-                tier = getattr(layer, "tier", None)
-                total += tier.nbytes() if tier is not None else 0
+        for layer in getattr(self.cache, "layers", []):
+            tier = getattr(layer, "tier", None)
+            total += tier.nbytes() if tier is not None else 0
         return total
 
 
 class KeptConversations:
-    """Caches of finished requests, least recently used first out, up to `budget` bytes of RAM."""
+    """Caches of finished requests, least recently used first out, up to `budget` bytes (RAM, and
+    a disk tier's files)."""
 
     def __init__(self, budget: int, release: Callable[[Slot], None]):
         self.budget, self.release = budget, release
         self.slots: OrderedDict[int, Slot] = OrderedDict()  # by id(slot), oldest first
 
     def bytes(self) -> int:
-        return sum(slot.resident_bytes() for slot in self.slots.values())
+        return sum(slot.nbytes() for slot in self.slots.values())
 
     def keep(self, slot: Slot) -> None:
-        if self.budget <= 0 or slot.resident_bytes() > self.budget:
+        if self.budget <= 0 or slot.nbytes() > self.budget:
             return self.release(slot)
         self.slots[id(slot)] = slot
         while self.bytes() > self.budget:
@@ -136,9 +136,9 @@ class Engine:
     """The worker thread that owns the model: a queue of jobs, the sequences joining (prefilling)
     and decoding, a pool of free caches, and the kept conversations.
 
-    Each turn of its loop admits waiting jobs while fewer than `max_batch_size` run, prefills one
-    chunk of a joining sequence (`_next_to_prefill`), then takes one decode step of every decoding
-    one."""
+    Each turn of its loop admits waiting jobs while fewer than `max_batch_size` run, prefills
+    joining sequences pass by pass (`_next_to_prefill` chooses) until a chunk's worth of tokens is
+    spent, then takes one decode step of every decoding one."""
 
     def __init__(
         self,
@@ -172,12 +172,28 @@ class Engine:
         self.finished_jobs, self.tokens_generated, self.prompt_tokens_reused = 0, 0, 0
         self.kept_bytes, self.busy_seconds = 0, 0.0
         self.first_token_seconds: deque[float] = deque(maxlen=256)  # the latest requests'
+        self.closing = False
         self.thread = threading.Thread(target=self._run, name="decode", daemon=True)
 
     # --- the queue -------------------------------------------------------------------------
 
     def start(self) -> None:
         self.thread.start()
+
+    def close(self) -> None:
+        """The server stops: the worker ends after its current turn, and every cache goes (a disk
+        tier's files with it)."""
+        with self.ready:
+            self.closing = True
+            self.ready.notify()
+        self.thread.join(timeout=60)
+        for seq in [*self.joining, *self.decoding]:
+            seq.job.fail("the server stopped")
+            self._drop(seq)
+        self.kept.clear()
+        for slot in self.free:
+            slot.cache.finish()
+        self.free.clear()
 
     def submit(self, job) -> None:
         with self.ready:
@@ -193,9 +209,9 @@ class Engine:
     def _admit(self) -> None:
         """Jobs join while there is room; with nothing to do, wait for one."""
         with self.ready:
-            while not self.pending and not self.running():
+            while not self.pending and not self.running() and not self.closing:
                 self.ready.wait()
-            if self.static and self.running():
+            if (self.static and self.running()) or self.closing:
                 return
             while self.pending and self.running() < self.max_batch_size:
                 job = self.pending.popleft()
@@ -234,11 +250,12 @@ class Engine:
     # --- the loop --------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
+        while not self.closing:
             self._admit()
             start = time.monotonic()
-            if self.joining:
-                self._prefill(self._next_to_prefill())
+            spent = 0  # prompt tokens prefilled this turn: up to a chunk's, shortest first
+            while self.joining and spent < (self.prefill_chunk or 1):
+                spent += self._prefill(self._next_to_prefill())
             if self.decoding:
                 self._step()
             self.busy_seconds += time.monotonic() - start
@@ -273,11 +290,13 @@ class Engine:
         return chosen
 
     @torch.no_grad()
-    def _prefill(self, seq: Sequence) -> None:
-        """One chunk of a joining sequence's prompt; after the last, its first token."""
+    def _prefill(self, seq: Sequence) -> int:
+        """One chunk of a joining sequence's prompt; after the last, its first token. Returns the
+        tokens it took in (at least 1, so that a turn's budget always runs out)."""
         if seq.job.finished:  # gone while joining: what its cache holds is not a whole prompt
             self.joining.remove(seq)
-            return self._release(seq.slot)
+            self._release(seq.slot)
+            return 1
         cache, length = seq.slot.cache, seq.tokens.shape[1]
         lengths = torch.tensor([length], device=seq.tokens.device)
         plug(self.model, seq.slot.modules)
@@ -286,9 +305,10 @@ class Engine:
                 cache.begin(seq.tokens, lengths, seq.held)
             chunk = self.prefill_chunk or length
             logits = prefill_pass(self.model, seq.tokens, lengths, seq.held, seq.prefilled, chunk)
-            seq.prefilled += chunk
+            took = min(chunk, length - seq.prefilled)
+            seq.prefilled += took
             if seq.prefilled < length:
-                return
+                return took
             self.joining.remove(seq)
             first = seq.sample(logits)
             seq.pos = torch.tensor([[seq.held + length]], device=seq.tokens.device)
@@ -298,12 +318,14 @@ class Engine:
             if seq in self.joining:
                 self.joining.remove(seq)
             seq.job.fail(f"{type(error).__name__}: {error}")
-            return self._drop(seq)
+            self._drop(seq)
+            return 1
         seq.job.stats_source = lambda: cache.stats(max(1, seq.steps))
         self.first_token_seconds.append(time.monotonic() - seq.job.submitted)
         self.prompt_tokens_reused += seq.held
         self.decoding.append(seq)
         self._feed(seq, first)
+        return took
 
     @torch.no_grad()
     def _step(self) -> None:

@@ -311,7 +311,9 @@ class PluggedSpeCache(SpeCache):
             raise ValueError(
                 "the slow tier's files went with the last generation (finish without keep)"
             )
-        if self.folder is not None and not held:
+        if self.folder is not None and held:
+            self.folder.wake()  # the kept conversation's files, read by new threads
+        elif self.folder is not None:
             self.folder.open()  # a fresh folder of empty files
         super().begin(tokens, lengths, held)
 
@@ -332,7 +334,9 @@ class PluggedSpeCache(SpeCache):
         try:
             super().finish(keep)
         finally:
-            if self.folder is not None and not keep:
+            if self.folder is not None and keep:
+                self.folder.idle()  # the files stay for the next turn; the threads go
+            elif self.folder is not None:
                 self.folder.close()
 
     def step_bytes(self, positions: list[int]) -> int:

@@ -26,11 +26,11 @@ for the same prompt (with the same --prefill_chunk), and a sampled request with 
 same answer alone or beside others. `--batching static` lets requests join only an empty batch
 (the baseline scripts/bench_serve.py compares with).
 
-Conversations: the cache of a finished chat request is kept (up to --keep_conversations_gb of RAM,
-least recently used first out). A chat request whose tokens extend a kept cache's token for token
-(the same messages, the assistant's reply as it was sent, and a new turn) continues that cache and
-prefills only its new tokens, as chat.py does; any other starts afresh. A kept SpeCache holds its
-fast tier and, in RAM, its slow tier (the disk tier keeps its files until the cache leaves).
+Conversations: the cache of a finished chat request is kept (up to --keep_conversations_gb, its
+bytes as allocated, a disk tier's files included; least recently used first out). A chat request
+whose tokens extend a kept cache's token for token (the same messages, the assistant's reply as it
+was sent, and a new turn) continues that cache and prefills only its new tokens, as chat.py does;
+any other starts afresh. When the server stops, every cache goes, and a disk tier's files with it.
 
 Bad requests (malformed JSON, a field of the wrong type or an unknown one, max_tokens <= 0, a prompt
 that leaves no room in --max_seq_length, an unknown model) get HTTP 400 with an OpenAI-style
@@ -42,6 +42,7 @@ batch. A failed request fails alone; an error in a decode step fails the request
 import argparse
 import asyncio
 import json
+import signal
 import sys
 import time
 import uuid
@@ -413,7 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep_conversations_gb",
         type=float,
         default=1.0,
-        help="RAM for the caches of finished chat requests, least recently used first out: a "
+        help="bytes (RAM, and a disk tier's files) for the caches of finished chat requests, least "
+        "recently used first out: a "
         "request whose messages extend one prefills only its new tokens (default 1; 0: keep none)",
     )
     p.add_argument(
@@ -477,7 +479,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     engine.start()
     app = make_app(engine, tokenizer, name)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    # uvicorn stops on SIGTERM and then raises it again, whose default action would end the
+    # process at once: as an exit here instead, the finally below runs
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.close()  # the caches go, and a disk tier's files with them
     return 0
 
 

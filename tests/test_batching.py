@@ -164,7 +164,7 @@ def test_kept_conversations_stay_within_their_budget_and_their_files_go(tmp_path
     model = tiny_model()
     options = dict(SMALL, slow_tier="disk", slow_tier_dir=str(tmp_path))
     cache = make_cache("specache-1bit", model, 1, CAPACITY, **options)
-    one = Slot(cache, [layer.attention.kv_cache for layer in model.layers]).resident_bytes()
+    one = Slot(cache, [layer.attention.kv_cache for layer in model.layers]).nbytes()
     engine = engine_for(model, "specache-1bit", options, max_batch_size=1, keep_bytes=2 * one)
     for prompt in prompts(4, seed=5):
         job = Collect(prompt, 4, keep=True)
