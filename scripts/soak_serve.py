@@ -266,7 +266,8 @@ def main() -> int:
     lines = [
         f"{checkpoint.parent.name}, context {CONTEXT}, batches of 8, {MAX_TOKENS} new tokens, "
         f"conversations kept up to {args.keep_gb} GB; {args.requests} requests after a warm-up "
-        "that fills the budget, in waves at concurrency 1-16",
+        "that fills the budget, in waves at concurrency 1-16; the kinds and failures are counted "
+        "over the warm-up and the run",
         "",
         "| method | requests | known answers | second turns (tokens reused) | bad | hung up | "
         "failures | RSS MB warm, after | threads warm, after | files left | minutes |",

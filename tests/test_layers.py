@@ -27,7 +27,7 @@ LAYERS = [
     ["caches"],
     ["checkpoint"],
     ["generation", "options", "tp"],
-    ["generate"],
+    ["generate", "batching"],
     ["serve", "chat"],
     ["integrations.hf"],  # transformers and specache.py alone
 ]
