@@ -79,16 +79,15 @@ class KeptConversations:
     def __init__(self, budget: int, release: Callable[[Slot], None]):
         self.budget, self.release = budget, release
         self.slots: OrderedDict[int, Slot] = OrderedDict()  # by id(slot), oldest first
-
-    def bytes(self) -> int:
-        return sum(slot.nbytes() for slot in self.slots.values())
+        self.bytes = 0  # theirs, as allocated (an int, which /health reads from another thread)
 
     def keep(self, slot: Slot) -> None:
         if self.budget <= 0 or slot.nbytes() > self.budget:
             return self.release(slot)
         self.slots[id(slot)] = slot
-        while self.bytes() > self.budget:
-            self.release(self.slots.popitem(last=False)[1])
+        self.bytes += slot.nbytes()
+        while self.bytes > self.budget:
+            self.release(self._leave(next(iter(self.slots))))
 
     def take(self, prompt: list[int]) -> Optional[Slot]:
         """The kept cache whose tokens the prompt extends, token for token (the longest such); it
@@ -98,13 +97,16 @@ class KeptConversations:
             n = len(slot.ids)
             if n < len(prompt) and prompt[:n] == slot.ids and (best is None or n > len(best.ids)):
                 best = slot
-        if best is not None:
-            del self.slots[id(best)]
-        return best
+        return best if best is None else self._leave(id(best))
 
     def clear(self) -> None:
         while self.slots:
-            self.release(self.slots.popitem(last=False)[1])
+            self.release(self._leave(next(iter(self.slots))))
+
+    def _leave(self, key: int) -> Slot:
+        slot = self.slots.pop(key)
+        self.bytes -= slot.nbytes()
+        return slot
 
 
 @dataclass
@@ -145,7 +147,6 @@ class Engine:
         model: Transformer,
         make_cache: Callable[[], Any],
         capacity: int,
-        stop_ids: frozenset,
         max_batch_size: int = 8,
         max_queue: int = 64,
         prefill_chunk: Optional[int] = None,
@@ -153,10 +154,8 @@ class Engine:
         static: bool = False,
     ):
         self.model, self.make_cache, self.capacity = model, make_cache, capacity
-        self.static = (
-            static  # jobs join only an empty batch (the baseline continuous batching beats)
-        )
-        self.stop_ids, self.max_batch_size, self.max_queue = stop_ids, max_batch_size, max_queue
+        # static: jobs join only an empty batch (the baseline continuous batching beats)
+        self.static, self.max_batch_size, self.max_queue = static, max_batch_size, max_queue
         self.pending: deque = deque()
         self.ready = threading.Condition()
         self.joining: deque[Sequence] = deque()
@@ -170,7 +169,7 @@ class Engine:
         # what /health reports; written by the worker only
         self.started = time.monotonic()
         self.finished_jobs, self.tokens_generated, self.prompt_tokens_reused = 0, 0, 0
-        self.kept_bytes, self.busy_seconds = 0, 0.0
+        self.busy_seconds = 0.0
         self.first_token_seconds: deque[float] = deque(maxlen=256)  # the latest requests'
         self.closing = False
         self.thread = threading.Thread(target=self._run, name="decode", daemon=True)
@@ -237,7 +236,6 @@ class Engine:
         held = len(slot.ids) if slot is not None else 0
         if slot is None:
             slot = self.free.pop() if self.free else self._new_slot()
-        self.kept_bytes = self.kept.bytes()
         device = self.model.tok_embeddings.weight.device
         seed = job.sampling[2]
         generator = None
@@ -272,7 +270,7 @@ class Engine:
             "tokens_per_second": self.tokens_generated / max(self.busy_seconds, 1e-9),
             "time_to_first_token_median_s": latest[len(latest) // 2] if latest else None,
             "kept_conversations": len(self.kept.slots),
-            "kept_conversations_bytes": self.kept_bytes,
+            "kept_conversations_bytes": self.kept.bytes,
             "prompt_tokens_reused": self.prompt_tokens_reused,
             "uptime_s": time.monotonic() - self.started,
         }
@@ -377,7 +375,6 @@ class Engine:
             slot.cache.finish(keep=True)
             slot.ids = list(seq.job.prompt_ids) + seq.sampled[:-1]
             self.kept.keep(slot)
-            self.kept_bytes = self.kept.bytes()
         else:
             self._release(slot)
         self.finished_jobs += 1

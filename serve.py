@@ -457,7 +457,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             model,
             lambda: cache_from_args(args, model, 1, capacity),  # a cache for each sequence
             capacity,
-            frozenset(tokenizer.stop_ids),
             args.max_batch_size,
             args.max_queue,
             args.prefill_chunk or PREFILL_CHUNK,

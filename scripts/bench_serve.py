@@ -195,8 +195,12 @@ def load(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[st
     return "\n".join(lines), dict(rows=rows)
 
 
-def streamed(stream, started: float) -> tuple[Optional[float], int, int]:
-    """Time to the first text chunk, completion tokens and reused prompt tokens of a stream."""
+def timed_stream(create, **request) -> tuple[Optional[float], int, int]:
+    """A streamed, greedy request (`create`: the client's completions.create or
+    chat.completions.create): the time to its first text chunk, its completion tokens and the
+    prompt tokens the server reused."""
+    started = time.perf_counter()
+    stream = create(temperature=0, stream=True, stream_options={"include_usage": True}, **request)
     first, tokens, reused = None, 0, 0
     for chunk in stream:
         choice = chunk.choices[0] if chunk.choices else None
@@ -228,16 +232,12 @@ def mixed(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[s
                 long = i % 4 == 0
                 size = args.prompt_tokens if long else args.short_tokens
                 prompt = prompt_text(tokenizer, size, 5000 + i)
-                started = time.perf_counter()
-                stream = client.completions.create(
+                ttft, tokens, _ = timed_stream(
+                    client.completions.create,
                     model=model,
                     prompt=prompt,
                     max_tokens=args.max_tokens,
-                    temperature=0,
-                    stream=True,
-                    stream_options={"include_usage": True},
                 )
-                ttft, tokens, _ = streamed(stream, started)
                 return dict(long=long, ttft=ttft, tokens=tokens)
 
             try:
@@ -306,16 +306,12 @@ def turns(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[s
                     {"role": "assistant", "content": reply.choices[0].message.content},
                     {"role": "user", "content": "Say it in five words."},
                 ]
-                started = time.perf_counter()
-                stream = client.chat.completions.create(
+                ttft, _, reused = timed_stream(
+                    client.chat.completions.create,
                     model=model,
                     messages=second,
                     max_tokens=args.max_tokens,
-                    temperature=0,
-                    stream=True,
-                    stream_options={"include_usage": True},
                 )
-                ttft, _, reused = streamed(stream, started)
             finally:
                 stop(process)
             rows.append(dict(method=method, kept=keep == "1", ttft_s=ttft, reused_tokens=reused))

@@ -78,7 +78,6 @@ def engine_for(model, method, options, **kwargs) -> Engine:
         model,
         lambda: make_cache(method, model, 1, CAPACITY, **options),
         CAPACITY,
-        frozenset(),
         prefill_chunk=CHUNK,
         **kwargs,
     )
@@ -182,7 +181,6 @@ def test_the_shortest_prompt_joins_first_but_the_oldest_is_not_starved():
         model,
         lambda: make_cache("full", model, 1, CAPACITY),
         CAPACITY,
-        frozenset(),
         max_batch_size=3,
     )
 
