@@ -1,11 +1,13 @@
-"""Continuous batching (serve.py's engine): sequences join a running batch and leave it at step
+"""Continuous batching (serve.py's engine): sequences join a running batch and leave it at pass
 boundaries, and a conversation's cache can be kept for its next turn.
 
-Every sequence has a cache of its own (caches.py, set up for one sequence). A decode step runs the
-model once over all the running sequences, so the weights are read once per step; in each layer,
-`ByRow` hands row i's queries, keys and values to sequence i's own cache module. A sequence that
-joins is prefilled between the others' steps, one chunk (`prefill_chunk`) at a time, so the running
-ones keep streaming; it leaves as soon as its answer is complete. Its cache then goes back to a
+Every sequence has a cache of its own (caches.py, set up for one sequence). Each turn the engine
+runs the model once over every sequence that has work: one decode step's rows of each decoding
+sequence and the next prompt chunk (`prefill_chunk`) of joining ones, packed one after another in
+one pass, so the weights are read once per turn and a joining prompt costs the running answers
+one slower turn, not a pause (chunked prefill beside decode, as Sarathi-Serve and vLLM schedule
+it). In each layer, `Packed` hands each sequence's run of rows to its own cache module with its
+own mask. A sequence leaves as soon as its answer is complete. Its cache then goes back to a
 pool, or, when the request allows it, into the kept conversations (`KeptConversations`): a later
 request whose tokens extend what that cache holds continues it and prefills only its new tokens,
 as chat.py does.
@@ -25,31 +27,32 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from generation import prefill_pass, sample
-from model import Transformer
+from generation import sample
+from model import CausalPrompt, Mask, Transformer
 
 
-class ByRow(nn.Module):
-    """One layer's attention over several sequences, each with its cache module: row i of the
-    step's q, k, v (B, H, S, D) and positions (B, S) go to `members[i]`. Decode steps only (each
-    cache builds its own mask from the positions)."""
+class Packed(nn.Module):
+    """One layer's attention over several sequences' rows in one pass: the pass's rows (1, N) are
+    the sequences' rows one after another, and the i-th run of `rows[i]` of them goes to
+    `members[i]` (that sequence's cache module) with `masks[i]`: None for a decode step's rows, a
+    CausalPrompt for a prompt chunk's. The mask the model passes is not read."""
 
-    def __init__(self, members: list[nn.Module]):
+    def __init__(self, members: list[nn.Module], rows: list[int], masks: list[Mask]):
         super().__init__()
         self.members = members  # a plain list: the modules belong to their caches, not to this
+        self.rows, self.masks = rows, masks
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask) -> Tensor:
-        if mask is not None:
-            raise ValueError("sequences run side by side only in decode steps (mask None)")
-        rows = [
-            member(q[i : i + 1], k[i : i + 1], v[i : i + 1], input_pos[i : i + 1], None)
-            for i, member in enumerate(self.members)
-        ]
-        return torch.cat(rows)
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask: Mask) -> Tensor:
+        out, first = [], 0
+        for member, n, own in zip(self.members, self.rows, self.masks):
+            part = slice(first, first + n)
+            out.append(member(q[:, :, part], k[:, :, part], v[:, :, part], input_pos[:, part], own))
+            first += n
+        return torch.cat(out, 2)
 
 
 def plug(model: Transformer, modules: list[nn.Module]) -> None:
-    """Put one cache's per-layer modules (or `ByRow`s) into the model's attention layers."""
+    """Put one cache's per-layer modules (or `Packed`s) into the model's attention layers."""
     for layer, module in zip(model.layers, modules):
         layer.attention.kv_cache = module
 
@@ -138,9 +141,9 @@ class Engine:
     """The worker thread that owns the model: a queue of jobs, the sequences joining (prefilling)
     and decoding, a pool of free caches, and the kept conversations.
 
-    Each turn of its loop admits waiting jobs while fewer than `max_batch_size` run, prefills
-    joining sequences pass by pass (`_next_to_prefill` chooses) until a chunk's worth of tokens is
-    spent, then takes one decode step of every decoding one."""
+    Each turn of its loop admits waiting jobs while fewer than `max_batch_size` run, then runs one
+    pass: a decode step of every decoding sequence and the next prompt chunks of joining ones, up
+    to `prefill_chunk` prompt tokens (`_to_prefill` chooses)."""
 
     def __init__(
         self,
@@ -251,11 +254,7 @@ class Engine:
         while not self.closing:
             self._admit()
             start = time.monotonic()
-            spent = 0  # prompt tokens prefilled this turn: up to a chunk's, shortest first
-            while self.joining and spent < (self.prefill_chunk or 1):
-                spent += self._prefill(self._next_to_prefill())
-            if self.decoding:
-                self._step()
+            self._pass(self._to_prefill())
             self.busy_seconds += time.monotonic() - start
 
     def health(self) -> dict:
@@ -275,85 +274,150 @@ class Engine:
             "uptime_s": time.monotonic() - self.started,
         }
 
-    def _next_to_prefill(self) -> Sequence:
-        """The joining sequence with the fewest prompt tokens left, so that a short request's first
-        token does not wait for a long prompt's every chunk; but the oldest goes once it has been
-        passed over max_batch_size times, so that a stream of short requests cannot starve it."""
+    def _to_prefill(self) -> list[Sequence]:
+        """The joining sequences whose next chunks this turn's pass takes: the fewest prompt
+        tokens left first, so that a short request's first token does not wait for a long
+        prompt's every chunk, while their chunks fit in `prefill_chunk` tokens (always one); but
+        the oldest goes first once it has been passed over max_batch_size times, so that a stream
+        of short requests cannot starve it. Without chunks, one whole prompt."""
+        for seq in [seq for seq in self.joining if seq.job.finished]:
+            self.joining.remove(seq)  # gone while joining: its cache holds no whole prompt
+            self._release(seq.slot)
+        if not self.joining:
+            return []
         oldest = self.joining[0]
+        order = sorted(self.joining, key=lambda seq: seq.tokens.shape[1] - seq.prefilled)
         if oldest.passed_over >= self.max_batch_size:
-            return oldest
-        chosen = min(self.joining, key=lambda seq: seq.tokens.shape[1] - seq.prefilled)
-        if chosen is not oldest:
+            order.remove(oldest)
+            order.insert(0, oldest)
+        chosen, spent = [], 0
+        for seq in order if self.prefill_chunk else order[:1]:
+            piece = self._piece_length(seq)
+            if chosen and spent + piece > self.prefill_chunk:
+                break
+            chosen.append(seq)
+            spent += piece
+        if oldest not in chosen:
             oldest.passed_over += 1
         return chosen
 
-    @torch.no_grad()
-    def _prefill(self, seq: Sequence) -> int:
-        """One chunk of a joining sequence's prompt; after the last, its first token. Returns the
-        tokens it took in (at least 1, so that a turn's budget always runs out)."""
-        if seq.job.finished:  # gone while joining: what its cache holds is not a whole prompt
-            self.joining.remove(seq)
-            self._release(seq.slot)
-            return 1
-        cache, length = seq.slot.cache, seq.tokens.shape[1]
-        lengths = torch.tensor([length], device=seq.tokens.device)
-        plug(self.model, seq.slot.modules)
-        try:
-            if seq.prefilled == 0:
-                cache.begin(seq.tokens, lengths, seq.held)
-            chunk = self.prefill_chunk or length
-            logits = prefill_pass(self.model, seq.tokens, lengths, seq.held, seq.prefilled, chunk)
-            took = min(chunk, length - seq.prefilled)
-            seq.prefilled += took
-            if seq.prefilled < length:
-                return took
-            self.joining.remove(seq)
-            first = seq.sample(logits)
-            seq.pos = torch.tensor([[seq.held + length]], device=seq.tokens.device)
-            cache.sampled(first)
-            cache.bootstrap(self.model, first, seq.pos)
-        except Exception as error:
-            if seq in self.joining:
-                self.joining.remove(seq)
-            seq.job.fail(f"{type(error).__name__}: {error}")
-            self._drop(seq)
-            return 1
-        seq.job.stats_source = lambda: cache.stats(max(1, seq.steps))
-        self.first_token_seconds.append(time.monotonic() - seq.job.submitted)
-        self.prompt_tokens_reused += seq.held
-        self.decoding.append(seq)
-        self._feed(seq, first)
-        return took
+    def _piece_length(self, seq: Sequence) -> int:
+        """The prompt tokens of `seq` its next pass takes: a whole chunk, as generate's prefill
+        cuts them (the same chunks give the same answer), or what is left."""
+        left = seq.tokens.shape[1] - seq.prefilled
+        return min(self.prefill_chunk or left, left)
 
     @torch.no_grad()
-    def _step(self) -> None:
-        """One decode step of every decoding sequence, in one pass of the model."""
-        seqs = list(self.decoding)
-        if len(seqs) == 1:
-            plug(self.model, seqs[0].slot.modules)
-        else:
-            layers = zip(*(seq.slot.modules for seq in seqs))
-            plug(self.model, [ByRow(list(members)) for members in layers])
+    def _pass(self, prefilling: list[Sequence]) -> None:
+        """One pass of the model over the rows of a decode step of every decoding sequence and
+        the next chunk of each sequence in `prefilling`. A decoding sequence samples its next
+        token; a joining one that took its prompt's last chunk samples its first and decodes from
+        the next turn. If the pass fails, every sequence in it fails (their caches are left
+        half-updated)."""
+        decoding = list(self.decoding)
+        prefilling = [seq for seq in prefilling if seq.prefilled or self._begin(seq)]
+        if not decoding and not prefilling:
+            return
+        device = self.model.tok_embeddings.weight.device
+        tokens, positions, masks, outputs = [], [], [], []
         try:
-            rows, positions = zip(*(s.slot.cache.step_rows(s.token, s.pos) for s in seqs))
-            logits = self.model(torch.cat(rows), torch.cat(positions))
-            tokens = []
-            for i, seq in enumerate(seqs):
-                token = seq.sample(seq.slot.cache.stepped(logits[i : i + 1]))
-                seq.slot.cache.sampled(token)
-                seq.pos = seq.pos + 1
-                seq.steps += 1
-                tokens.append(token)
+            for seq in decoding:
+                rows, where = seq.slot.cache.step_rows(seq.token, seq.pos)
+                tokens.append(rows)
+                positions.append(where)
+                masks.append(None)
+            for seq in prefilling:
+                first, n = seq.held + seq.prefilled, self._piece_length(seq)
+                tokens.append(seq.tokens[:, seq.prefilled : seq.prefilled + n])
+                positions.append(torch.arange(first, first + n, device=device)[None])
+                end = torch.tensor([seq.held + seq.tokens.shape[1]], device=device)
+                masks.append(CausalPrompt(end, first))
+            rows = [t.shape[1] for t in tokens]
+            # logits for every row of a step (the speculative one too), and a prompt's last row
+            outputs, at = [], 0
+            for i, (seq, n) in enumerate(zip([*decoding, *prefilling], rows)):
+                if i < len(decoding):
+                    outputs.extend(range(at, at + n))
+                elif seq.prefilled + n == seq.tokens.shape[1]:
+                    outputs.append(at + n - 1)
+                at += n
+            members = [seq.slot.modules for seq in [*decoding, *prefilling]]
+            if len(members) == 1:
+                plug(self.model, members[0])
+                mask = masks[0]
+            else:
+                plug(self.model, [Packed(list(m), rows, masks) for m in zip(*members)])
+                mask = None
+            output_index = torch.tensor([outputs or [at - 1]], device=device)
+            logits = self.model(
+                torch.cat(tokens, 1), torch.cat(positions, 1), mask, output_index=output_index
+            )
+            fed = self._after_pass(decoding, prefilling, rows, logits)
         except Exception as error:
             message = f"{type(error).__name__}: {error}"
-            print(f"error: a step of {len(seqs)} sequences failed: {message}", flush=True)
-            for seq in seqs:
-                seq.job.fail(f"the step this request was in failed: {message}")
-                self.decoding.remove(seq)
-                self._drop(seq)
+            count = len(decoding) + len(prefilling)
+            print(f"error: a pass of {count} sequences failed: {message}", flush=True)
+            for seq in [*decoding, *prefilling]:
+                for running in (self.decoding, self.joining):
+                    if seq in running:
+                        running.remove(seq)
+                        seq.job.fail(f"the pass this request was in failed: {message}")
+                        self._drop(seq)
             return
-        for seq, token in zip(seqs, tokens):
+        for seq, token in fed:
             self._feed(seq, token)
+
+    def _begin(self, seq: Sequence) -> bool:
+        """A joining sequence's first chunk: its cache starts a generation (a disk tier checks its
+        free space here). False if that failed: the sequence has failed and left."""
+        lengths = torch.tensor([seq.tokens.shape[1]], device=seq.tokens.device)
+        try:
+            seq.slot.cache.begin(seq.tokens, lengths, seq.held)
+            return True
+        except Exception as error:
+            self.joining.remove(seq)
+            seq.job.fail(f"{type(error).__name__}: {error}")
+            self._drop(seq)
+            return False
+
+    def _after_pass(
+        self, decoding: list[Sequence], prefilling: list[Sequence], rows: list[int], logits: Tensor
+    ) -> list[tuple[Sequence, Tensor]]:
+        """The pass's logits to its sequences: each decoding one samples its next token; a joining
+        one that finished its prompt samples its first, then takes the bootstrap pass (alone) and
+        decodes from the next turn. Returns the tokens to feed to their jobs."""
+        fed, at = [], 0
+        for seq, n in zip(decoding, rows):
+            cache = seq.slot.cache
+            token = seq.sample(cache.stepped(logits[:, at : at + n]))
+            cache.sampled(token)
+            seq.pos = seq.pos + 1
+            seq.steps += 1
+            fed.append((seq, token))
+            at += n
+        for seq, n in zip(prefilling, rows[len(decoding) :]):
+            seq.prefilled += n
+            if seq.prefilled < seq.tokens.shape[1]:
+                continue
+            cache, last_row = seq.slot.cache, logits[:, at : at + 1]
+            at += 1
+            self.joining.remove(seq)
+            try:
+                first = seq.sample(last_row)
+                seq.pos = torch.tensor([[seq.held + seq.tokens.shape[1]]], device=first.device)
+                cache.sampled(first)
+                plug(self.model, seq.slot.modules)
+                cache.bootstrap(self.model, first, seq.pos)
+            except Exception as error:  # its own: the others' caches are whole
+                seq.job.fail(f"{type(error).__name__}: {error}")
+                self._drop(seq)
+                continue
+            self.decoding.append(seq)
+            seq.job.stats_source = lambda cache=cache, seq=seq: cache.stats(max(1, seq.steps))
+            self.first_token_seconds.append(time.monotonic() - seq.job.submitted)
+            self.prompt_tokens_reused += seq.held
+            fed.append((seq, first))
+        return fed
 
     def _feed(self, seq: Sequence, token: Tensor) -> None:
         """The sequence's new token to its job; a finished job's sequence leaves at once."""

@@ -18,12 +18,13 @@ when its answer ended (for SpeCache: fast-tier bytes and their ratio to a 16-bit
 fetched per token); generate.py --json prints the same.
 
 Batching is continuous (batching.py): one worker thread owns the model; requests wait in a queue
-(at most --max_queue, beyond which they get HTTP 429), join the running batch between decode steps
-while it has fewer than --max_batch_size, and leave it as soon as their answer is complete. A
-joining prompt is prefilled --prefill_chunk tokens at a time between the others' steps, so running
-answers go on streaming. Each request has a cache of its own: greedy answers equal generate.py's
-for the same prompt (with the same --prefill_chunk), and a sampled request with a seed gives the
-same answer alone or beside others. `--batching static` lets requests join only an empty batch
+(at most --max_queue, beyond which they get HTTP 429), join the running batch between passes while
+it has fewer than --max_batch_size, and leave it as soon as their answer is complete. Each pass of
+the model takes a decode step of every running answer and up to --prefill_chunk tokens of joining
+prompts (whole chunks, shortest prompt first), so running answers go on streaming while a long
+prompt joins. Each request has a cache of its own: greedy answers equal generate.py's for the same
+prompt (with the same --prefill_chunk), and a sampled request with a seed gives the same answer
+alone or beside others. `--batching static` lets requests join only an empty batch
 (the baseline scripts/bench_serve.py compares with).
 
 Conversations: the cache of a finished chat request is kept (up to --keep_conversations_gb, its
@@ -35,8 +36,8 @@ any other starts afresh. When the server stops, every cache goes, and a disk tie
 Bad requests (malformed JSON, a field of the wrong type or an unknown one, max_tokens <= 0, a prompt
 that leaves no room in --max_seq_length, an unknown model) get HTTP 400 with an OpenAI-style
 {"error": {...}} body. A streaming client that disconnects stops its sequence, which leaves the
-batch. A failed request fails alone; an error in a decode step fails the requests in it with HTTP
-500 and the server goes on.
+batch. A failed request fails alone; an error in a pass of the model fails the requests in it with
+HTTP 500 and the server goes on.
 """
 
 import argparse
@@ -68,7 +69,7 @@ from options import (
 )
 from tokenizer import IncrementalText, Tokenizer
 
-PREFILL_CHUNK = 512  # --prefill_chunk's default here
+PREFILL_CHUNK = 256  # --prefill_chunk's default here: a turn beside running answers stays short
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,10 @@ server's peak resident memory (VmHWM, after all concurrencies), with the server'
 
 `mixed`: per method, one server with `--batching static` and one with `continuous` (batches of 8)
 take the same --mixed_requests streamed completions from 8 clients, each sending its next request
-when the last is answered: every 4th has a --prompt_tokens prompt, the rest --short_tokens.
+when the last is answered: every 4th has a --prompt_tokens prompt, the rest --short_tokens, and each
+asks for an answer of its own length, drawn (seeded, the same in both runs) between the two
+--answer_tokens bounds: answers of one length would keep a static batch full and in step, which
+real requests do not.
 Reported: the short requests' median time to first token (the first text chunk), the long ones',
 and generated tokens/s over the run's wall-clock; continuous over static in the ratio columns.
 
@@ -32,6 +35,7 @@ second turn's time to first token, and the prompt tokens the server reused.
 """
 
 import argparse
+import random
 import statistics
 import subprocess
 import sys
@@ -236,7 +240,7 @@ def mixed(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[s
                     client.completions.create,
                     model=model,
                     prompt=prompt,
-                    max_tokens=args.max_tokens,
+                    max_tokens=random.Random(i).randint(*args.answer_tokens),
                 )
                 return dict(long=long, ttft=ttft, tokens=tokens)
 
@@ -266,7 +270,8 @@ def mixed(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[s
     lines = [
         f"{checkpoint.parent.name}, {args.mixed_requests} streamed completions from 8 clients, "
         f"every 4th with a {args.prompt_tokens}-token prompt and the rest {args.short_tokens}, "
-        f"{args.max_tokens} new tokens, greedy, batches of 8, eager, context {context}; ratios: "
+        f"answers of {args.answer_tokens[0]}-{args.answer_tokens[1]} tokens, greedy, batches of 8, "
+        f"eager, context {context}; ratios: "
         "continuous over static for the same method",
         "",
         "| method | batching | wall s | tok/s | short TTFT median s | long TTFT median s | "
@@ -358,6 +363,14 @@ def main() -> None:
     parser.add_argument(
         "--mixed_requests", type=int, default=32, help="mixed: requests in all (default 32)"
     )
+    parser.add_argument(
+        "--answer_tokens",
+        type=int,
+        nargs=2,
+        default=[16, 128],
+        metavar=("MIN", "MAX"),
+        help="mixed: each request's max_tokens, drawn between these (default 16 128)",
+    )
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument(
         "--out", type=Path, default=None, help="also write serve.md and serve.json here"
@@ -366,7 +379,8 @@ def main() -> None:
     checkpoint = resolve_checkpoint(args.checkpoint)
     tokenizer = get_tokenizer(checkpoint.parent)
     # room for the prompt, the answer, the chat format and a second turn
-    context = -(-(args.prompt_tokens + 2 * args.max_tokens + 96) // 64) * 64
+    answer = args.answer_tokens[1] if args.workload == "mixed" else args.max_tokens
+    context = -(-(args.prompt_tokens + 2 * answer + 96) // 64) * 64
     log = Path("/tmp") / f"bench_serve_{args.port}.log"
     markdown, data = WORKLOADS[args.workload](args, checkpoint, tokenizer, context, log)
     print(markdown)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from batching import Engine, Sequence, Slot
-from caches import make_cache
+from caches import FullCache, make_cache
 from generation import GenerateOptions, generate
 from tests.conftest import tiny_model
 
@@ -22,6 +22,13 @@ METHODS = {
     "specache-disk": ("specache-1bit", dict(SMALL, slow_tier="disk")),
     "kivi": ("kivi-1bit", dict(group=16, residual=16)),
 }
+# sliding-window layers (a ring of 16) beside full ones: a prompt chunk's rows in a pass must reach
+# its ring with their own mask, not the other sequences'
+HYBRID = dict(
+    n_layer=3,
+    sliding_window=16,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+)
 
 
 class Collect:
@@ -92,13 +99,14 @@ def alone(model, method, options, prompt, max_tokens, held=0, cache=None, **samp
     return result.tokens[0], cache
 
 
+@pytest.mark.parametrize("layout", ["llama", "hybrid"])
 @pytest.mark.parametrize("name", list(METHODS))
-def test_sequences_that_join_and_leave_decode_what_they_decode_alone(name):
+def test_sequences_that_join_and_leave_decode_what_they_decode_alone(name, layout):
     """Six requests of different lengths and answer lengths through a batch of 3: later ones join
-    while earlier ones decode (their prefill in passes between the others' steps), and each leaves
-    when done. Every answer equals generate's for that prompt alone (greedy)."""
+    while earlier ones decode (their prompt chunks in the same passes as the others' steps), and
+    each leaves when done. Every answer equals generate's for that prompt alone (greedy)."""
     method, options = METHODS[name]
-    model = tiny_model()
+    model = tiny_model(**(HYBRID if layout == "hybrid" else {}))
     jobs = [Collect(p, 6 + 5 * i) for i, p in enumerate(prompts(6))]
     engine = engine_for(model, method, options, max_batch_size=3)
     for job in jobs:
@@ -182,7 +190,7 @@ def test_the_shortest_prompt_joins_first_but_the_oldest_is_not_starved():
         lambda: make_cache("full", model, 1, CAPACITY),
         CAPACITY,
         max_batch_size=3,
-    )
+    )  # no prefill_chunk: a turn takes one whole prompt
 
     def joining(length: int) -> Sequence:
         return Sequence(Collect([1] * length, 4), engine.free[0], 0, None, torch.ones(1, length))
@@ -191,9 +199,77 @@ def test_the_shortest_prompt_joins_first_but_the_oldest_is_not_starved():
     engine.joining.extend([long, joining(50)])
     chosen = []
     for _ in range(5):
-        seq = engine._next_to_prefill()
+        (seq,) = engine._to_prefill()
         chosen.append(seq.tokens.shape[1])
         if seq is not long:  # a short one joins; another short one arrives
             engine.joining.remove(seq)
             engine.joining.append(joining(50))
     assert chosen == [50, 50, 50, 200, 200]  # passed over 3 times (max_batch_size), then first
+
+
+def test_a_turn_takes_the_shortest_whole_chunks_that_fit_its_budget():
+    model = tiny_model()
+    engine = Engine(
+        model, lambda: make_cache("full", model, 1, CAPACITY), CAPACITY, prefill_chunk=CHUNK
+    )
+
+    def joining(length: int, prefilled: int = 0) -> Sequence:
+        tokens = torch.ones(1, length)
+        return Sequence(Collect([1] * length, 4), engine.free[0], 0, None, tokens, prefilled)
+
+    engine.joining.extend([joining(100), joining(10), joining(70, prefilled=60), joining(20)])
+    # 10 + 10 left + 20 = 40 > 32: the third waits; a long prompt's chunk is never cut to fit
+    assert [seq.tokens.shape[1] for seq in engine._to_prefill()] == [10, 70]
+    engine.joining.clear()
+    engine.joining.extend([joining(100), joining(80)])
+    assert [seq.tokens.shape[1] for seq in engine._to_prefill()] == [80]
+
+
+def test_a_request_whose_cache_fails_to_start_fails_alone(monkeypatch):
+    """An error in one joining request's own part (here its cache's start) fails that request; the
+    one decoding beside it answers as it would alone, and the engine serves the next."""
+    model = tiny_model()
+    real_begin = FullCache.begin
+
+    def begin(self, tokens, lengths, held=0):
+        if int(tokens[0, 0]) == 96:
+            raise OSError("no room for this one")
+        return real_begin(self, tokens, lengths, held)
+
+    monkeypatch.setattr(FullCache, "begin", begin)
+    engine = engine_for(model, "full", {}, max_batch_size=2)
+    running, doomed = Collect(prompts(1)[0], 30), Collect([96] + prompts(1, seed=2)[0], 5)
+    engine.submit(running)
+    engine.submit(doomed)
+    assert doomed.done.wait(60) and "OSError: no room for this one" in doomed.error
+    assert running.result() == alone(model, "full", {}, running.prompt_ids, 30)[0]
+    after = Collect(prompts(1, seed=3)[0], 4)
+    engine.submit(after)
+    assert after.result() == alone(model, "full", {}, after.prompt_ids, 4)[0]
+
+
+def test_an_error_in_a_pass_fails_the_requests_in_it_and_the_engine_goes_on(monkeypatch):
+    model = tiny_model()
+    engine = Engine(
+        model, lambda: make_cache("full", model, 1, CAPACITY), CAPACITY, 2, prefill_chunk=CHUNK
+    )
+    real_forward, calls = type(model).forward, []
+
+    def forward(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # the first request's second step, beside the second's prompt
+            raise RuntimeError("a bad pass")
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", forward)
+    jobs = [Collect(p, 10) for p in prompts(2, seed=4)]  # 50 and 54 tokens: 2 chunks each
+    for job in jobs:
+        engine.submit(job)
+    engine.start()  # both join at once: the third pass is a step of one and a chunk of the other
+    for job in jobs:
+        assert job.done.wait(60) and "RuntimeError: a bad pass" in job.error
+    monkeypatch.setattr(type(model), "forward", real_forward)
+    after = Collect(prompts(1, seed=5)[0], 4)
+    engine.submit(after)
+    assert after.result() == alone(model, "full", {}, after.prompt_ids, 4)[0]
+    assert settled(engine)["running"] == 0
