@@ -408,8 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--batching",
         choices=("continuous", "static"),
         default="continuous",
-        help="continuous (default): requests join the running batch between steps and leave it "
-        "when done; static: they join only an empty batch (scripts/bench_serve.py's baseline)",
+        help="continuous (default): requests join the running batch between passes and leave it "
+        "when done, and each pass takes their prompt chunks beside the running answers' steps; "
+        "static: they join only an empty batch (scripts/bench_serve.py's baseline)",
     )
     p.add_argument(
         "--keep_conversations_gb",
