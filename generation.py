@@ -101,7 +101,8 @@ def prefill_pass(
 ) -> Tensor:
     """One pass of `prefill`: the prompts' rows first..first+chunk-1, at positions start+first on;
     the logits (B, 1, V) of each prompt's last row where the pass holds it, else of its last row
-    in the pass. serve.py's engine prefills a joining sequence pass by pass, between steps."""
+    in the pass. (serve.py's engine builds the same rows, positions and mask for a chunk it packs
+    beside other requests' rows: batching.Engine._pass.)"""
     forward = model if forward is None else forward  # (a compiled module has no truth value)
     rows = tokens[:, first : first + chunk]
     input_pos = torch.arange(
