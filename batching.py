@@ -27,8 +27,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from generation import sample
-from model import CausalPrompt, Mask, Transformer
+from generation import prefill_rows, sample
+from model import Mask, Transformer
 
 
 class Packed(nn.Module):
@@ -327,11 +327,12 @@ class Engine:
                 positions.append(where)
                 masks.append(None)
             for seq in prefilling:
-                first, n = seq.held + seq.prefilled, self._piece_length(seq)
-                tokens.append(seq.tokens[:, seq.prefilled : seq.prefilled + n])
-                positions.append(torch.arange(first, first + n, device=device)[None])
-                end = torch.tensor([seq.held + seq.tokens.shape[1]], device=device)
-                masks.append(CausalPrompt(end, first))
+                length = torch.tensor([seq.tokens.shape[1]], device=device)
+                chunk = self._piece_length(seq)
+                rows, where, mask = prefill_rows(seq.tokens, length, seq.held, seq.prefilled, chunk)
+                tokens.append(rows)
+                positions.append(where)
+                masks.append(mask)
             rows = [t.shape[1] for t in tokens]
             # logits for every row of a step (the speculative one too), and a prompt's last row
             outputs, at = [], 0

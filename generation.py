@@ -90,6 +90,20 @@ def prefill(
     return sample(logits, **sampling)
 
 
+def prefill_rows(
+    tokens: Tensor, lengths: Tensor, start: int, first: int, chunk: int
+) -> tuple[Tensor, Tensor, CausalPrompt]:
+    """The rows, positions and mask of one prefill pass: the prompts' rows first..first+chunk-1
+    (of `tokens`, the right-padded (B, S) prompts of `lengths`) at positions start+first on, each
+    attending causally to what its prompt holds. `prefill_pass` runs them alone; serve.py's engine
+    packs one prompt's rows beside other requests' (batching.Engine._pass)."""
+    rows = tokens[:, first : first + chunk]
+    input_pos = torch.arange(
+        start + first, start + first + rows.shape[1], device=tokens.device
+    ).expand(tokens.shape[0], -1)
+    return rows, input_pos, CausalPrompt(start + lengths, start + first)
+
+
 def prefill_pass(
     model: Transformer,
     tokens: Tensor,
@@ -99,17 +113,12 @@ def prefill_pass(
     chunk: int,
     forward: Optional[Callable] = None,
 ) -> Tensor:
-    """One pass of `prefill`: the prompts' rows first..first+chunk-1, at positions start+first on;
-    the logits (B, 1, V) of each prompt's last row where the pass holds it, else of its last row
-    in the pass. (serve.py's engine builds the same rows, positions and mask for a chunk it packs
-    beside other requests' rows: batching.Engine._pass.)"""
+    """One pass of `prefill` over `prefill_rows`; the logits (B, 1, V) of each prompt's last row
+    where the pass holds it, else of its last row in the pass."""
     forward = model if forward is None else forward  # (a compiled module has no truth value)
-    rows = tokens[:, first : first + chunk]
-    input_pos = torch.arange(
-        start + first, start + first + rows.shape[1], device=tokens.device
-    ).expand(tokens.shape[0], -1)
+    rows, input_pos, mask = prefill_rows(tokens, lengths, start, first, chunk)
     here = (lengths - 1 - first).clamp(0, rows.shape[1] - 1).unsqueeze(1)
-    return forward(rows, input_pos, CausalPrompt(start + lengths, start + first), output_index=here)
+    return forward(rows, input_pos, mask, output_index=here)
 
 
 def pad_prompts(prompts: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
