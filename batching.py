@@ -173,6 +173,10 @@ class Engine:
         self.started = time.monotonic()
         self.finished_jobs, self.tokens_generated, self.prompt_tokens_reused = 0, 0, 0
         self.busy_seconds = 0.0
+        # how full the batch runs: passes that hold a prompt chunk cost as much in any batching,
+        # and a step of many sequences reads the weights once for all of them
+        self.prompt_pass_seconds = 0.0
+        self.decode_steps, self.decode_step_sequences = 0, 0
         self.first_token_seconds: deque[float] = deque(maxlen=256)  # the latest requests'
         self.closing = False
         self.thread = threading.Thread(target=self._run, name="decode", daemon=True)
@@ -254,12 +258,20 @@ class Engine:
         while not self.closing:
             self._admit()
             start = time.monotonic()
-            self._pass(self._to_prefill())
-            self.busy_seconds += time.monotonic() - start
+            prefilling = self._to_prefill()
+            if self.decoding:  # counted first: the pass may finish the last request
+                self.decode_steps += 1
+                self.decode_step_sequences += len(self.decoding)
+            self._pass(prefilling)
+            seconds = time.monotonic() - start
+            self.busy_seconds += seconds
+            if prefilling:
+                self.prompt_pass_seconds += seconds
 
     def health(self) -> dict:
-        """What /health reports: the queue, the batch, throughput, time to first token, and the
-        kept conversations."""
+        """What /health reports: the queue, the batch, throughput, time to first token, how full
+        the batch runs (the sequences a decode step advances, on average, and the busy seconds
+        spent in passes that hold a prompt chunk), and the kept conversations."""
         latest = sorted(self.first_token_seconds)
         return {
             "waiting": len(self.pending),
@@ -268,6 +280,10 @@ class Engine:
             "tokens_generated": self.tokens_generated,
             "tokens_per_second": self.tokens_generated / max(self.busy_seconds, 1e-9),
             "time_to_first_token_median_s": latest[len(latest) // 2] if latest else None,
+            "busy_s": self.busy_seconds,
+            "prompt_pass_s": self.prompt_pass_seconds,
+            "decode_steps": self.decode_steps,
+            "sequences_per_step_mean": self.decode_step_sequences / max(self.decode_steps, 1),
             "kept_conversations": len(self.kept.slots),
             "kept_conversations_bytes": self.kept.bytes,
             "prompt_tokens_reused": self.prompt_tokens_reused,

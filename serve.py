@@ -7,8 +7,8 @@
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (the model's chat
 template), GET /health (requests waiting, running and finished; tokens generated and tokens/s of
-the worker's busy time; the median time to first token of the latest requests; the kept
-conversations and their RAM). Requests take max_tokens (chat: or max_completion_tokens),
+the worker's busy time; the median time to first token of the latest requests; how full the
+batch ran; the kept conversations and their RAM). Requests take max_tokens (chat: or max_completion_tokens),
 temperature (0 is greedy), top_k (an extension: sample among the k likeliest; top_p is not
 supported and must be 1), stop (up to 4 strings), seed, stream (server-sent events in OpenAI's
 chunk format, ending with `data: [DONE]`; stream_options.include_usage adds a usage chunk).

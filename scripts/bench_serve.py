@@ -26,7 +26,10 @@ asks for an answer of its own length, drawn (seeded, the same in both runs) betw
 --answer_tokens bounds: answers of one length would keep a static batch full and in step, which
 real requests do not.
 Reported: the short requests' median time to first token (the first text chunk), the long ones',
-and generated tokens/s over the run's wall-clock; continuous over static in the ratio columns.
+and generated tokens/s over the run's wall-clock; continuous over static in the ratio columns; and
+from the server's /health, how full its batch ran: the sequences a decode step advanced on average,
+and the share of the worker's busy time spent in passes that held a prompt chunk (a cost both
+batchings pay in full).
 
 `turns`: per method, a chat's first turn (a --prompt_tokens message, 16 tokens of reply) and then
 its second turn (the reply and a short question), streamed, on a server that keeps conversations
@@ -250,6 +253,7 @@ def mixed(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[s
                 with ThreadPoolExecutor(8) as pool:
                     done = list(pool.map(ask, range(args.mixed_requests)))
                 wall = time.perf_counter() - started
+                health = httpx.get(f"http://127.0.0.1:{args.port}/health", timeout=10).json()
             finally:
                 stop(process)
             short = [d["ttft"] for d in done if not d["long"] and d["ttft"] is not None]
@@ -263,6 +267,8 @@ def mixed(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[s
                     tokens_per_s=sum(d["tokens"] for d in done) / wall,
                     short_ttft_median_s=statistics.median(short),
                     long_ttft_median_s=statistics.median(long),
+                    sequences_per_step=health["sequences_per_step_mean"],
+                    prompt_pass_share=health["prompt_pass_s"] / health["busy_s"],
                 )
             )
             print(f"{method} {batching}: {rows[-1]}", file=sys.stderr, flush=True)
@@ -275,8 +281,8 @@ def mixed(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[s
         "continuous over static for the same method",
         "",
         "| method | batching | wall s | tok/s | short TTFT median s | long TTFT median s | "
-        "tok/s ratio | short TTFT ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "tok/s ratio | short TTFT ratio | sequences per step | time in prompt passes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         base = static[r["method"]]
@@ -284,7 +290,8 @@ def mixed(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[s
             f"| {r['method']} | {r['batching']} | {r['wall_s']:.1f} | {r['tokens_per_s']:.1f} | "
             f"{r['short_ttft_median_s']:.2f} | {r['long_ttft_median_s']:.2f} | "
             f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
-            f"{r['short_ttft_median_s'] / base['short_ttft_median_s']:.2f}x |"
+            f"{r['short_ttft_median_s'] / base['short_ttft_median_s']:.2f}x | "
+            f"{r['sequences_per_step']:.1f} | {r['prompt_pass_share']:.0%} |"
         )
     return "\n".join(lines), dict(rows=rows)
 

@@ -136,6 +136,33 @@ def test_a_seeded_request_samples_the_same_answer_alone_or_beside_others():
     assert other.result() != lone_answer
 
 
+def test_health_says_how_full_the_batch_ran():
+    """Three prompts that fit one turn's chunk budget are prefilled in one pass and then decode
+    side by side: 5 steps of 3 sequences for 6 tokens each (the first comes from the prompt's
+    pass). A fourth, queued behind them, decodes alone: 3 more steps of 1 sequence."""
+    model = tiny_model()
+    engine = Engine(
+        model,
+        lambda: make_cache("full", model, 1, CAPACITY),
+        CAPACITY,
+        max_batch_size=3,
+        prefill_chunk=64,
+    )
+    jobs = [Collect(p[:20], 6) for p in prompts(3, seed=4)]
+    for job in jobs:
+        engine.submit(job)
+    engine.start()  # all three join the first turn
+    for job in jobs:
+        job.result()
+    last = Collect(prompts(1, seed=6)[0][:20], 4)
+    engine.submit(last)
+    last.result()
+    health = settled(engine)
+    assert health["decode_steps"] == 5 + 3
+    assert health["sequences_per_step_mean"] == pytest.approx((5 * 3 + 3 * 1) / 8)
+    assert 0 < health["prompt_pass_s"] < health["busy_s"]
+
+
 @pytest.mark.parametrize("name", ["full", "specache", "specache-disk"])
 def test_a_request_that_extends_a_kept_conversation_prefills_only_its_new_tokens(name):
     """Turn 2 extends turn 1's prompt and answer: the engine continues turn 1's cache (it
