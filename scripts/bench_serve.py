@@ -232,6 +232,8 @@ def mixed(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[s
     for method in args.methods:
         for batching in ("static", "continuous"):
             flags = ["--max_batch_size", "8", "--batching", batching, *server_flags(method)]
+            if args.prefill_chunk:
+                flags += ["--prefill_chunk", str(args.prefill_chunk)]
             process, client = serve(checkpoint, context, flags, args.port, log)
             model = client.models.list().data[0].id
 
@@ -273,11 +275,14 @@ def mixed(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[s
             )
             print(f"{method} {batching}: {rows[-1]}", file=sys.stderr, flush=True)
     static = {r["method"]: r for r in rows if r["batching"] == "static"}
+    chunks = "serve.py's prefill chunks"
+    if args.prefill_chunk:
+        chunks = f"prefill chunks of {args.prefill_chunk}"
     lines = [
         f"{checkpoint.parent.name}, {args.mixed_requests} streamed completions from 8 clients, "
         f"every 4th with a {args.prompt_tokens}-token prompt and the rest {args.short_tokens}, "
         f"answers of {args.answer_tokens[0]}-{args.answer_tokens[1]} tokens, greedy, batches of 8, "
-        f"eager, context {context}; ratios: "
+        f"eager, context {context}, {chunks}; ratios: "
         "continuous over static for the same method",
         "",
         "| method | batching | wall s | tok/s | short TTFT median s | long TTFT median s | "
@@ -377,6 +382,12 @@ def main() -> None:
         default=[16, 128],
         metavar=("MIN", "MAX"),
         help="mixed: each request's max_tokens, drawn between these (default 16 128)",
+    )
+    parser.add_argument(
+        "--prefill_chunk",
+        type=int,
+        default=None,
+        help="mixed: both servers' --prefill_chunk (default: serve.py's)",
     )
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument(

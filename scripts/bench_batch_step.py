@@ -1,0 +1,151 @@
+"""What a decode step of several sequences costs against a step of one: serve.py's engine, where
+each sequence has its own cache, against one cache set up for the whole batch.
+
+    python scripts/bench_batch_step.py                                # 2k context, 1, 2, 4, 8
+    python scripts/bench_batch_step.py --context 1024 --batch 1 8 --methods full --out /tmp/step
+
+Per method and batch size B: B prompts of --context tokens (random ids, greedy) go to an engine
+(batching.Engine, eager, batches of B, prompt chunks of 256), and once all B decode, the mean time
+of --steps of its decode passes (from its /health figures) is reported; then the same B prompts
+decode in one cache of batch B (generation.generate), the median time between its steps. Ratios:
+over the engine's step of one sequence. This curve bounds what continuous batching can gain over
+static batching on a machine: what a step costs per sequence as the batch fills.
+"""
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from batching import Engine  # noqa: E402
+from caches import make_cache  # noqa: E402
+from checkpoint import load_model, resolve_checkpoint  # noqa: E402
+from generation import GenerateOptions, generate  # noqa: E402
+from scripts.harness import write_report  # noqa: E402
+
+CHUNK = 256
+
+
+class Endless:
+    """A job (serve.Job's fields) that takes tokens until told to stop."""
+
+    def __init__(self, prompt: list[int]):
+        self.prompt_ids, self.max_tokens, self.keep = prompt, 1 << 30, False
+        self.sampling = (0.0, None, None)  # greedy
+        self.finished, self.error, self.tokens = False, None, 0
+        self.started = threading.Event()
+        self.stats_source = dict
+
+    def feed(self, token: int) -> None:
+        self.tokens += 1
+        self.started.set()
+
+    def finish(self, reason: str) -> None:
+        self.finished = True
+
+    def fail(self, message: str) -> None:
+        self.finished, self.error = True, message
+        self.started.set()
+
+
+def engine_step_seconds(model, method: str, prompts: list[list[int]], capacity: int, steps: int):
+    """The mean seconds of an engine's decode pass once every prompt decodes."""
+    engine = Engine(
+        model,
+        lambda: make_cache(method, model, 1, capacity),
+        capacity,
+        max_batch_size=len(prompts),
+        prefill_chunk=CHUNK,
+    )
+    jobs = [Endless(prompt) for prompt in prompts]
+    for job in jobs:
+        engine.submit(job)
+    engine.start()
+    try:
+        for job in jobs:
+            job.started.wait()
+            if job.error:
+                raise SystemExit(f"{method}: {job.error}")
+        before = engine.health()
+        while engine.health()["decode_steps"] < before["decode_steps"] + steps:
+            time.sleep(0.05)
+        after = engine.health()
+    finally:
+        for job in jobs:
+            job.finished = True
+        engine.close()
+    passes = after["decode_steps"] - before["decode_steps"]
+    return (after["busy_s"] - before["busy_s"]) / passes
+
+
+def one_cache_step_seconds(model, method: str, prompts: list[list[int]], capacity: int, steps: int):
+    """The median seconds of a decode step of one cache set up for the whole batch (between the
+    steps' callbacks)."""
+    cache = make_cache(method, model, len(prompts), capacity)
+    times = []
+    options = GenerateOptions(prefill_chunk=CHUNK)
+    record = lambda tokens: times.append(time.perf_counter())  # noqa: E731
+    generate(model, cache, prompts, 2 + steps, callback=record, options=options)
+    return statistics.median(b - a for a, b in zip(times[1:], times[2:]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--checkpoint", type=Path, default=None, help="default: the embedded SmolLM2"
+    )
+    parser.add_argument("--methods", nargs="+", default=["full", "specache-1bit"])
+    parser.add_argument("--context", type=int, default=2048, help="prompt tokens per sequence")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--steps", type=int, default=12, help="decode steps timed per row")
+    parser.add_argument("--out", type=Path, default=None, help="also write step.md and .json")
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    model = load_model(checkpoint, "cpu", torch.float32)
+    # the first sequences decode while the others' prompts go in, a chunk per pass
+    capacity = args.context + max(args.batch) * args.context // CHUNK + 2 * args.steps + 64
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    prompts = [
+        torch.randint(100, vocab - 100, (args.context,), generator=generator).tolist()
+        for _ in range(max(args.batch))
+    ]
+    rows = []
+    for method in args.methods:
+        for batch in args.batch:
+            engine = engine_step_seconds(model, method, prompts[:batch], capacity, args.steps)
+            one = one_cache_step_seconds(model, method, prompts[:batch], capacity, args.steps)
+            rows.append(dict(method=method, batch=batch, engine_s=engine, one_cache_s=one))
+            print(f"{rows[-1]}", file=sys.stderr, flush=True)
+    lines = [
+        f"{checkpoint.parent.name}, {args.context}-token prompts, fp32, eager, "
+        f"{torch.get_num_threads()} threads, {args.steps} steps per row; ratios over the engine's "
+        "step of one sequence",
+        "",
+        "| method | sequences | engine ms/step | ratio | one cache ms/step | ratio | "
+        "engine ms per sequence |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        base = next(b for b in rows if b["method"] == r["method"] and b["batch"] == 1)["engine_s"]
+        lines.append(
+            f"| {r['method']} | {r['batch']} | {r['engine_s'] * 1e3:.1f} | "
+            f"{r['engine_s'] / base:.2f}x | {r['one_cache_s'] * 1e3:.1f} | "
+            f"{r['one_cache_s'] / base:.2f}x | {r['engine_s'] / r['batch'] * 1e3:.1f} |"
+        )
+    markdown = "\n".join(lines)
+    print(markdown)
+    if args.out:
+        write_report(args.out, "step", markdown, dict(rows=rows))
+
+
+if __name__ == "__main__":
+    main()
