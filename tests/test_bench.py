@@ -11,6 +11,7 @@ from scripts.bench import (
     release_caches,
     table,
 )
+from scripts.bench_batch_step import engine_step_seconds, one_cache_step_seconds
 from scripts.harness import Runner
 
 
@@ -109,3 +110,14 @@ def test_profile_parts_name_the_kernels_and_leave_wrappers_to_dispatch():
     assert part_of("aten::mul") == "other ops"
     assert part_of("aoti_torch_cpu_gather_out") == "gather"
     assert part_of("Torch-Compiled Region: 0/0") == "" and part_of("TorchDynamo Cache Lookup") == ""
+
+
+@pytest.mark.parametrize("method", ["full", "specache-1bit"])
+def test_bench_batch_step_times_steps_of_the_whole_batch(method):
+    """Its two timings run to the end on a tiny model (the engine's jobs fit their capacity and
+    all decode before its window opens) and give a time per step."""
+    model = tiny_model()
+    prompts = [[1 + (i * 7 + j) % 90 for j in range(40)] for i in range(3)]
+    for timing in (engine_step_seconds, one_cache_step_seconds):
+        seconds = timing(model, method, prompts, 128, 4)
+        assert 0 < seconds < 10
