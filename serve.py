@@ -8,10 +8,11 @@
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (the model's chat
 template), GET /health (requests waiting, running and finished; tokens generated and tokens/s of
 the worker's busy time; the median time to first token of the latest requests; how full the
-batch ran; the kept conversations and their RAM). Requests take max_tokens (chat: or max_completion_tokens),
-temperature (0 is greedy), top_k (an extension: sample among the k likeliest; top_p is not
-supported and must be 1), stop (up to 4 strings), seed, stream (server-sent events in OpenAI's
-chunk format, ending with `data: [DONE]`; stream_options.include_usage adds a usage chunk).
+batch ran; the kept conversations and their RAM). Requests take max_tokens (chat: or
+max_completion_tokens), temperature (0 is greedy), top_k (an extension: sample among the k
+likeliest; top_p is not supported and must be 1), stop (up to 4 strings), seed, stream
+(server-sent events in OpenAI's chunk format, ending with `data: [DONE]`;
+stream_options.include_usage adds a usage chunk).
 `usage` carries the token counts, `prompt_tokens_details.cached_tokens` (the prompt tokens a kept
 conversation held already) and, as the extra field `cache`, the statistics of the request's cache
 when its answer ended (for SpeCache: fast-tier bytes and their ratio to a 16-bit cache, bytes
