@@ -5,11 +5,11 @@ each sequence has its own cache, against one cache set up for the whole batch.
     python scripts/bench_batch_step.py --context 1024 --batch 1 8 --methods full --out /tmp/step
 
 Per method and batch size B: B prompts of --context tokens (random ids, greedy) go to an engine
-(batching.Engine, eager, batches of B, prompt chunks of 256), and once all B decode, the mean time
-of --steps of its decode passes (from its /health figures) is reported; then the same B prompts
-decode in one cache of batch B (generation.generate), the median time between its steps. Ratios:
-over the engine's step of one sequence. This curve bounds what continuous batching can gain over
-static batching on a machine: what a step costs per sequence as the batch fills.
+(batching.Engine, eager, --dtype, batches of B, prompt chunks of 256), and once all B decode, the
+mean time of --steps of its decode passes (from its /health figures) is reported; then the same B
+prompts decode in one cache of batch B (generation.generate), the median time between its steps.
+Ratios: over the engine's step of one sequence. This curve bounds what continuous batching can
+gain over static batching on a machine: what a step costs per sequence as the batch fills.
 """
 
 import argparse
@@ -105,11 +105,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048, help="prompt tokens per sequence")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--steps", type=int, default=12, help="decode steps timed per row")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--out", type=Path, default=None, help="also write step.md and .json")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     checkpoint = resolve_checkpoint(args.checkpoint)
-    model = load_model(checkpoint, "cpu", torch.float32)
+    model = load_model(checkpoint, "cpu", getattr(torch, args.dtype))
     # the first sequences decode while the others' prompts go in, a chunk per pass
     capacity = args.context + max(args.batch) * args.context // CHUNK + 2 * args.steps + 64
     generator = torch.Generator().manual_seed(0)
@@ -126,7 +127,7 @@ def main() -> None:
             rows.append(dict(method=method, batch=batch, engine_s=engine, one_cache_s=one))
             print(f"{rows[-1]}", file=sys.stderr, flush=True)
     lines = [
-        f"{checkpoint.parent.name}, {args.context}-token prompts, fp32, eager, "
+        f"{checkpoint.parent.name}, {args.context}-token prompts, {args.dtype}, eager, "
         f"{torch.get_num_threads()} threads, {args.steps} steps per row; ratios over the engine's "
         "step of one sequence",
         "",
