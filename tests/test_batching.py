@@ -80,14 +80,16 @@ def settled(engine: Engine) -> dict:
     raise AssertionError("the engine is still running sequences")
 
 
-def engine_for(model, method, options, **kwargs) -> Engine:
-    engine = Engine(
-        model,
-        lambda: make_cache(method, model, 1, CAPACITY, **options),
-        CAPACITY,
-        prefill_chunk=CHUNK,
-        **kwargs,
+def new_engine(model, method="full", options=None, **kwargs) -> Engine:
+    """An engine (not started) whose sequences each get a `method` cache of CAPACITY."""
+    options = options or {}
+    return Engine(
+        model, lambda: make_cache(method, model, 1, CAPACITY, **options), CAPACITY, **kwargs
     )
+
+
+def engine_for(model, method, options, **kwargs) -> Engine:
+    engine = new_engine(model, method, options, prefill_chunk=CHUNK, **kwargs)
     engine.start()
     return engine
 
@@ -141,13 +143,7 @@ def test_health_says_how_full_the_batch_ran():
     side by side: 5 steps of 3 sequences for 6 tokens each (the first comes from the prompt's
     pass). A fourth, queued behind them, decodes alone: 3 more steps of 1 sequence."""
     model = tiny_model()
-    engine = Engine(
-        model,
-        lambda: make_cache("full", model, 1, CAPACITY),
-        CAPACITY,
-        max_batch_size=3,
-        prefill_chunk=64,
-    )
+    engine = new_engine(model, max_batch_size=3, prefill_chunk=64)
     jobs = [Collect(p[:20], 6) for p in prompts(3, seed=4)]
     for job in jobs:
         engine.submit(job)
@@ -212,12 +208,7 @@ def test_kept_conversations_stay_within_their_budget_and_their_files_go(tmp_path
 
 def test_the_shortest_prompt_joins_first_but_the_oldest_is_not_starved():
     model = tiny_model()
-    engine = Engine(
-        model,
-        lambda: make_cache("full", model, 1, CAPACITY),
-        CAPACITY,
-        max_batch_size=3,
-    )  # no prefill_chunk: a turn takes one whole prompt
+    engine = new_engine(model, max_batch_size=3)  # no prefill_chunk: a turn takes a whole prompt
 
     def joining(length: int) -> Sequence:
         return Sequence(Collect([1] * length, 4), engine.free[0], 0, None, torch.ones(1, length))
@@ -236,9 +227,7 @@ def test_the_shortest_prompt_joins_first_but_the_oldest_is_not_starved():
 
 def test_a_turn_takes_the_shortest_whole_chunks_that_fit_its_budget():
     model = tiny_model()
-    engine = Engine(
-        model, lambda: make_cache("full", model, 1, CAPACITY), CAPACITY, prefill_chunk=CHUNK
-    )
+    engine = new_engine(model, prefill_chunk=CHUNK)
 
     def joining(length: int, prefilled: int = 0) -> Sequence:
         tokens = torch.ones(1, length)
@@ -277,9 +266,7 @@ def test_a_request_whose_cache_fails_to_start_fails_alone(monkeypatch):
 
 def test_an_error_in_a_pass_fails_the_requests_in_it_and_the_engine_goes_on(monkeypatch):
     model = tiny_model()
-    engine = Engine(
-        model, lambda: make_cache("full", model, 1, CAPACITY), CAPACITY, 2, prefill_chunk=CHUNK
-    )
+    engine = new_engine(model, max_batch_size=2, prefill_chunk=CHUNK)
     real_forward, calls = type(model).forward, []
 
     def forward(self, *args, **kwargs):
