@@ -304,6 +304,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=RESULTS_DIR,
         help="where the report files go (default docs/results)",
     )
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on with the sweep that last wrote to --out and stopped before its report (killed, "
+        "out of time): the cells it finished are kept, the rest are run. Needs the same model, "
+        "methods and settings; the lengths, depths, tasks and samples may change",
+    )
 
 
 def method_argument(method: str) -> str:
@@ -348,6 +355,72 @@ def command_line() -> str:
     return "python " + " ".join(
         shlex.quote(a) for a in [Path(sys.argv[0]).as_posix()] + sys.argv[1:]
     )
+
+
+class SweepLog:
+    """A sweep's finished cells, written as it goes, so that a sweep stopped after an hour is not
+    an hour lost: {out}/{name}.partial.jsonl holds the settings that decide a cell's result (the
+    model, the methods, k, the dtype...) on its first line, then one finished cell per line. Run
+    again with --resume, the sweep takes the cells it finds there and runs only the others;
+    resuming under other settings is refused, since the report would mix two runs. The grid
+    arguments (lengths, depths, tasks, samples) are left out of the settings: a cell is named by
+    its place in the grid, so a resumed sweep may ask for more of it, or less. The report's
+    writing removes the file."""
+
+    def __init__(self, args: argparse.Namespace, name: str, grid: tuple[str, ...]):
+        self.path = args.out / f"{name}.partial.jsonl"
+        left_out = {"out", "resume", *grid}
+        self.settings = json.loads(
+            json.dumps({k: v for k, v in vars(args).items() if k not in left_out}, default=str)
+        )
+        self.entries: dict[str, dict] = {}  # cell (as JSON) -> {cell, result, seconds}
+        if args.resume and self.path.exists():
+            self._read()
+            print(f"--resume: {len(self.entries)} finished cells in {self.path}", file=sys.stderr)
+        elif args.resume:
+            print(f"--resume: no {self.path}; the sweep starts at its first cell", file=sys.stderr)
+        args.out.mkdir(parents=True, exist_ok=True)
+        # Written whole: this drops a last line that the stop cut short.
+        lines = [self.settings, *self.entries.values()]
+        self.path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+
+    def _read(self) -> None:
+        lines = self.path.read_text(encoding="utf-8").splitlines()
+        written_with = json.loads(lines[0])
+        if written_with != self.settings:
+            changed = sorted(
+                k
+                for k in written_with.keys() | self.settings.keys()
+                if written_with.get(k) != self.settings.get(k)
+            )
+            raise SystemExit(
+                f"--resume: {self.path} was written with other settings ({', '.join(changed)}); "
+                "give the same ones, or run without --resume to start over"
+            )
+        for line in lines[1:]:
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                break  # the line being written when the sweep stopped
+            self.entries[json.dumps(entry["cell"])] = entry
+
+    def get(self, cell: list):
+        """The result saved for this cell, or None when it has yet to run."""
+        entry = self.entries.get(json.dumps(cell))
+        return None if entry is None else entry["result"]
+
+    def add(self, cell: list, result, seconds: float) -> None:
+        entry = dict(cell=cell, result=result, seconds=seconds)
+        self.entries[json.dumps(cell)] = entry
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    def minutes(self) -> float:
+        """The time the cells held took, over every run that added to the log."""
+        return sum(entry["seconds"] for entry in self.entries.values()) / 60
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def write_report(out: Path, name: str, markdown: str, raw: dict) -> None:

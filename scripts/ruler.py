@@ -1,23 +1,22 @@
 """RULER's synthetic tasks (NVIDIA/RULER), generated in code, scored for several KV caches.
 
-    python scripts/ruler.py                        # 2048 and 4096 tokens, 2 samples per task, \
-        all 11 tasks
+    python scripts/ruler.py                        # 2048 and 4096 tokens, 2 samples per task,
+                                                   # all 11 tasks
     python scripts/ruler.py --quick                # 1 sample per task
-    python scripts/ruler.py --lengths 4096 8192 --samples 5 --tasks niah_single_1 vt --methods \
-        full specache-1bit
+    python scripts/ruler.py --lengths 4096 8192 --samples 5 --tasks niah_single_1 vt \
+        --methods full specache-1bit
+    python scripts/ruler.py ... --resume           # the same command, stopped: go on with it
 
 The tasks are RULER's official configurations (scripts/synthetic.yaml): eight needle-in-a-haystack
 variants, variable tracking (vt), common words extraction (cwe) and frequent words extraction (fwe),
 with RULER's templates, answer prefixes and generation lengths
-(scripts/data/synthetic/constants.py).
-The prompt is the task text as one chat user turn, then the answer prefix after the assistant
-header,
-as RULER does for chat models. Each sample is sized to its length: its number of haystack units
-(noise sentences, essay words, distractor needles, listed words, coded words) is the largest for
-which the prompt plus the tokens to generate fits, found by bisection for that sample. The score is
-RULER's string_match_all: the percent of references found in the reply (substring, case ignored),
-averaged per task; the average column is over tasks. Each sample is prefilled once and decoded
-greedily by every method (scripts/harness.py).
+(scripts/data/synthetic/constants.py). The prompt is the task text as one chat user turn, then the
+answer prefix after the assistant header, as RULER does for chat models. Each sample is sized to
+its length: its number of haystack units (noise sentences, essay words, distractor needles, listed
+words, coded words) is the largest for which the prompt plus the tokens to generate fits, found by
+bisection for that sample. The score is RULER's string_match_all: the percent of references found
+in the reply (substring, case ignored), averaged per task; the average column is over tasks. Each
+sample is prefilled once and decoded greedily by every method (scripts/harness.py).
 
 Differences from RULER: essays are split into sentences by a regex instead of NLTK punkt (whose data
 is not on PyPI); random draws come from one seeded generator per sample, where RULER reuses a fixed
@@ -26,7 +25,8 @@ with the whole chat template too); cwe draws at most the ~8k wonderwords words (
 larger list past that, beyond ~90k tokens).
 
 Writes {out}/ruler.md (one table per length: methods x tasks) and {out}/ruler.json (every sample's
-references, replies and scores).
+references, replies and scores). While it runs, {out}/ruler.partial.jsonl holds the samples done,
+for --resume.
 """
 
 import argparse
@@ -34,6 +34,7 @@ import random
 import re
 import string
 import sys
+import time
 import uuid
 from functools import cache
 from pathlib import Path
@@ -48,85 +49,38 @@ from wonderwords.random_word import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.harness import Runner, add_arguments, runner_from_args, write_report  # noqa: E402
+from scripts.harness import (  # noqa: E402
+    Runner,
+    SweepLog,
+    add_arguments,
+    runner_from_args,
+    write_report,
+)
 from scripts.haystack import essays_dir  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 # RULER scripts/synthetic.yaml: the official task configurations (qa_1 and qa_2 need external
-# datasets).
+# datasets). The needle tasks, one row each:
+NIAH_FIELDS = (
+    "type_haystack",
+    "type_needle_k",
+    "type_needle_v",
+    "num_needle_k",
+    "num_needle_v",
+    "num_needle_q",
+)
+NIAH_TASKS = {
+    "niah_single_1": ("noise", "words", "numbers", 1, 1, 1),
+    "niah_single_2": ("essay", "words", "numbers", 1, 1, 1),
+    "niah_single_3": ("essay", "words", "uuids", 1, 1, 1),
+    "niah_multikey_1": ("essay", "words", "numbers", 4, 1, 1),
+    "niah_multikey_2": ("needle", "words", "numbers", 1, 1, 1),
+    "niah_multikey_3": ("needle", "uuids", "uuids", 1, 1, 1),
+    "niah_multivalue": ("essay", "words", "numbers", 1, 4, 1),
+    "niah_multiquery": ("essay", "words", "numbers", 1, 1, 4),
+}
 TASKS = {
-    "niah_single_1": dict(
-        kind="niah",
-        type_haystack="noise",
-        type_needle_k="words",
-        type_needle_v="numbers",
-        num_needle_k=1,
-        num_needle_v=1,
-        num_needle_q=1,
-    ),
-    "niah_single_2": dict(
-        kind="niah",
-        type_haystack="essay",
-        type_needle_k="words",
-        type_needle_v="numbers",
-        num_needle_k=1,
-        num_needle_v=1,
-        num_needle_q=1,
-    ),
-    "niah_single_3": dict(
-        kind="niah",
-        type_haystack="essay",
-        type_needle_k="words",
-        type_needle_v="uuids",
-        num_needle_k=1,
-        num_needle_v=1,
-        num_needle_q=1,
-    ),
-    "niah_multikey_1": dict(
-        kind="niah",
-        type_haystack="essay",
-        type_needle_k="words",
-        type_needle_v="numbers",
-        num_needle_k=4,
-        num_needle_v=1,
-        num_needle_q=1,
-    ),
-    "niah_multikey_2": dict(
-        kind="niah",
-        type_haystack="needle",
-        type_needle_k="words",
-        type_needle_v="numbers",
-        num_needle_k=1,
-        num_needle_v=1,
-        num_needle_q=1,
-    ),
-    "niah_multikey_3": dict(
-        kind="niah",
-        type_haystack="needle",
-        type_needle_k="uuids",
-        type_needle_v="uuids",
-        num_needle_k=1,
-        num_needle_v=1,
-        num_needle_q=1,
-    ),
-    "niah_multivalue": dict(
-        kind="niah",
-        type_haystack="essay",
-        type_needle_k="words",
-        type_needle_v="numbers",
-        num_needle_k=1,
-        num_needle_v=4,
-        num_needle_q=1,
-    ),
-    "niah_multiquery": dict(
-        kind="niah",
-        type_haystack="essay",
-        type_needle_k="words",
-        type_needle_v="numbers",
-        num_needle_k=1,
-        num_needle_v=1,
-        num_needle_q=4,
-    ),
+    **{name: dict(kind="niah", **dict(zip(NIAH_FIELDS, row))) for name, row in NIAH_TASKS.items()},
     # noise: the one built
     "vt": dict(kind="variable_tracking", type_haystack="noise", num_chains=1, num_hops=4),
     "cwe": dict(kind="common_words_extraction", freq_cw=30, freq_ucw=3, num_cw=10),
@@ -137,8 +91,7 @@ TASKS = {
 PROMPTS = {
     "niah": (
         "Some special magic {type_needle_v} are hidden within the following text. Make sure to "
-        "memorize it. "
-        "I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
+        "memorize it. I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
         "What are all the special magic {type_needle_v} for {query} mentioned in the provided "
         "text?",
         " The special magic {type_needle_v} for {query} mentioned in the provided text are",
@@ -149,8 +102,7 @@ PROMPTS = {
         "text.\n\n{context}\n"
         "Question: Find all variables that are assigned the value {query} in the text above.",
         " Answer: According to the chain(s) of variable assignment in the text above, {num_v} "
-        "variables are "
-        "assigned the value {query}, they are: ",
+        "variables are assigned the value {query}, they are: ",
         30,
     ),
     "common_words_extraction": (
@@ -162,11 +114,9 @@ PROMPTS = {
     ),
     "freq_words_extraction": (
         "Read the following coded text and track the frequency of each coded word. Find the three "
-        "most "
-        "frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. "
-        "Please ignore "
-        "the dots '....'. What are the three most frequently appeared words in the above coded "
-        "text?",
+        "most frequently appeared coded words. {context}\nQuestion: Do not provide any "
+        "explanation. Please ignore the dots '....'. What are the three most frequently appeared "
+        "words in the above coded text?",
         " Answer: According to the coded text above, the three most frequently appeared words are:",
         50,
     ),
@@ -460,9 +410,15 @@ def string_match_all(prediction: str, references: list[str]) -> float:
 
 
 def evaluate(
-    runner: Runner, tasks: list[str], lengths: list[int], samples: int, seed: int
+    runner: Runner,
+    tasks: list[str],
+    lengths: list[int],
+    samples: int,
+    seed: int,
+    log: SweepLog | None = None,
 ) -> list[dict]:
-    """One row per sample: its references and every method's reply and score."""
+    """One row per sample: its references and every method's reply and score. With a log, the
+    samples it holds are taken from it, and each sample run is added to it."""
     rows = []
     with tqdm(
         total=len(lengths) * len(tasks) * samples, desc="ruler samples", file=sys.stderr
@@ -473,12 +429,15 @@ def evaluate(
                 # run.
                 rng = random.Random(f"{seed}/{task}/{length}")
                 for index in range(samples):
+                    started = time.perf_counter()
+                    # Drawn even when the log holds the sample: the next ones depend on it.
                     prompt, references, max_new_tokens = make_sample(
                         task, runner.tokenizer, length, rng, chat=runner.chat
                     )
-                    outputs = runner.run(prompt, max_new_tokens)
-                    rows.append(
-                        dict(
+                    row = None if log is None else log.get([length, task, index])
+                    if row is None:
+                        outputs = runner.run(prompt, max_new_tokens)
+                        row = dict(
                             length=length,
                             task=task,
                             index=index,
@@ -493,7 +452,9 @@ def evaluate(
                                 for method, out in outputs.items()
                             },
                         )
-                    )
+                        if log is not None:
+                            log.add([length, task, index], row, time.perf_counter() - started)
+                    rows.append(row)
                     bar.update()
     return rows
 
@@ -568,10 +529,12 @@ def main(argv: list[str] | None = None) -> None:
     tasks = list(TASKS) if "all" in args.tasks else args.tasks
     samples = 1 if args.quick else args.samples
 
+    log = SweepLog(args, "ruler", grid=("lengths", "samples", "quick", "tasks"))
     runner = runner_from_args(args)
-    rows = evaluate(runner, tasks, args.lengths, samples, args.seed)
+    rows = evaluate(runner, tasks, args.lengths, samples, args.seed, log)
     scores = summarize(rows, runner.methods, tasks)
-    markdown = tables(scores, tasks, samples)
+    minutes = log.minutes()
+    markdown = tables(scores, tasks, samples) + f"\n\nThe samples took {minutes:.1f} min."
     print(markdown)
     write_report(
         args.out,
@@ -583,9 +546,11 @@ def main(argv: list[str] | None = None) -> None:
             tasks=tasks,
             lengths=args.lengths,
             scores={str(length): s for length, s in scores.items()},
+            minutes=minutes,
             samples=rows,
         ),
     )
+    log.remove()
 
 
 if __name__ == "__main__":

@@ -506,3 +506,34 @@ def test_end_to_end(smollm2_tokenizer, tmp_path, monkeypatch, capsys):
     for text in (markdown, capsys.readouterr().out):
         assert header in text and kivi_row in text
         assert "| full |" + " 100.00 |" * 8 in text
+
+
+def test_resume_runs_only_the_samples_not_done(smollm2_tokenizer, tmp_path, monkeypatch):
+    argv = ["--tasks", *E2E_TASKS, "--data_dir", str(FIXTURES), "--out", str(tmp_path)]
+    argv += ["--methods", "full", "kivi-1bit"]
+    stopped = fake_runner(smollm2_tokenizer)
+    answer = stopped.run
+
+    def stop_at_the_fifth(prompt, max_new_tokens):
+        if len(stopped.calls) == 4:
+            raise KeyboardInterrupt
+        return answer(prompt, max_new_tokens)
+
+    stopped.run = stop_at_the_fifth
+    monkeypatch.setattr(lb, "runner_from_args", lambda args: stopped)
+    with pytest.raises(KeyboardInterrupt):
+        lb.main(argv)
+    resumed = fake_runner(smollm2_tokenizer)
+    monkeypatch.setattr(lb, "runner_from_args", lambda args: resumed)
+    assert lb.main([*argv, "--resume"]) == 0
+    assert [c["task"] for c in stopped.calls] == ["hotpotqa", "hotpotqa", "trec", "trec"]
+    assert [c["task"] for c in resumed.calls] == [
+        "samsum",
+        "gov_report",
+        "passage_count",
+        "passage_retrieval_en",
+        "lcc",
+    ]
+    report = json.loads((tmp_path / "longbench.json").read_text())
+    assert report["scores"]["kivi-1bit"] == KIVI_SCORES  # the logged samples' scores counted
+    assert not (tmp_path / "longbench.partial.jsonl").exists()

@@ -1,9 +1,12 @@
 """The needle sweep's scoring, tables and heatmaps, driven by a fake runner (no model)."""
 
+import argparse
+import json
 import types
 
 import pytest
 
+from scripts.harness import SweepLog
 from scripts.haystack import NEEDLE
 from scripts.needle import coverage_plot, heatmap, rouge1_recall, sweep, tables
 
@@ -70,6 +73,32 @@ def test_sweep_tables_and_heatmaps(tmp_path):
     assert (tmp_path / "good.png").read_bytes()[:4] == b"\x89PNG"
     coverage_plot(rows, runner.methods, tmp_path / "coverage.png")
     assert (tmp_path / "coverage.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_stopped_sweep_resumes_with_the_cells_it_had_not_finished(tmp_path):
+    from checkpoint import prepare_default_checkpoint
+    from tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(prepare_default_checkpoint().parent)
+    args = argparse.Namespace(out=tmp_path, resume=False, topk=64, lengths=[300, 600])
+    grid = ([300, 600], [0, 100], 8)
+    whole = sweep(FakeRunner(tokenizer), *grid, SweepLog(args, "needle", grid=("lengths",)))
+    log_file = tmp_path / "needle.partial.jsonl"
+    settings, *cells = log_file.read_text().splitlines()
+    assert json.loads(settings) == dict(topk=64) and len(cells) == 4
+    # Stopped while writing its third cell: the log holds two, then a line cut short.
+    log_file.write_text(f"{settings}\n{cells[0]}\n{cells[1]}\n{cells[2][:40]}")
+
+    args.resume = True
+    runner = FakeRunner(tokenizer)
+    resumed = sweep(runner, *grid, SweepLog(args, "needle", grid=("lengths",)))
+    assert runner.calls == 2
+    assert resumed == json.loads(json.dumps(whole))
+    assert len(log_file.read_text().splitlines()) == 5  # the cut line gone, both new cells in
+
+    args.topk = 32
+    with pytest.raises(SystemExit, match=r"other settings \(topk\)"):
+        SweepLog(args, "needle", grid=("lengths",))
 
 
 def test_completion_prompts_end_where_the_answer_starts():

@@ -308,3 +308,32 @@ def test_cli_samples_depend_only_on_seed_task_and_length(fake_cli):
         r["references"] for r in json.loads((out / "ruler.json").read_text())["samples"]
     )
     assert single_1 != single_2  # tasks draw their own needles, not one shared sequence
+
+
+def test_resume_runs_the_samples_not_done_and_draws_the_same_ones(fake_cli, monkeypatch):
+    run, out = fake_cli
+    argv = ("--lengths", "1024", "--samples", "2", "--tasks", "niah_single_1", "fwe")
+    run(*argv)
+    whole = json.loads((out / "ruler.json").read_text())["samples"]
+    assert not (out / "ruler.partial.jsonl").exists()  # removed with the report written
+
+    answer = FakeRunner.run
+
+    def stopped_after_three(self, prompt_tokens, max_new_tokens):
+        if len(self.calls) == 3:
+            raise KeyboardInterrupt
+        return answer(self, prompt_tokens, max_new_tokens)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(FakeRunner, "run", stopped_after_three)
+        with pytest.raises(KeyboardInterrupt):
+            run(*argv)
+    with pytest.raises(SystemExit, match=r"other settings \(seed\)"):
+        run(*argv, "--resume", "--seed", "5")
+    runner = run(*argv, "--resume")
+    assert runner.calls == [50]  # the second fwe sample alone
+    resumed = json.loads((out / "ruler.json").read_text())["samples"]
+    assert resumed[:3] == whole[:3]
+    # The fourth sample was drawn after the three taken from the log: the same one as before.
+    assert [r["references"] for r in resumed] == [r["references"] for r in whole]
+    assert resumed[3]["prompt_tokens"] == whole[3]["prompt_tokens"]
