@@ -357,6 +357,44 @@ def command_line() -> str:
     )
 
 
+DIAGNOSTICS = ("coverage", "oracle_coverage", "recall_own_lowbit", "recall_exact")
+
+
+def mean_stat(stats: list[dict], key: str, diagnostic: bool = False) -> Optional[float]:
+    """The mean of a SpeCache statistic over replies' stats (None where a method reports none)."""
+    values = [(s.get("diagnostics") or {}).get(key) if diagnostic else s.get(key) for s in stats]
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def selection_columns(diagnostics: bool) -> list[str]:
+    """The headers of `selection_cells`: with --stats, the diagnostics' too."""
+    return ["spec. token right", "fetched kB/token"] + (
+        ["coverage", "oracle coverage", "recall (own low-bit)", "recall (exact)"]
+        if diagnostics
+        else []
+    )
+
+
+def selection_cells(stats: list[dict], diagnostics: bool) -> list[str]:
+    """A method's SpeCache selection statistics over its replies, as table cells ("-" for a method
+    without them): how often the speculative token was the real one, the kB read from the slow
+    tier per token, and with --stats the share of the exact attention read in 16 bits (coverage,
+    and what the exact top-k would read) and the recall of the fetched pairs."""
+
+    def percent(x):
+        return "-" if x is None else f"{100 * x:.0f}%"
+
+    fetched = mean_stat(stats, "bytes_fetched_per_token")
+    cells = [
+        percent(mean_stat(stats, "speculative_match_rate")),
+        "-" if fetched is None else f"{fetched / 1e3:.0f}",
+    ]
+    if diagnostics:
+        cells += [percent(mean_stat(stats, key, diagnostic=True)) for key in DIAGNOSTICS]
+    return cells
+
+
 class SweepLog:
     """A sweep's finished cells, written as it goes, so that a sweep stopped after an hour is not
     an hour lost: {out}/{name}.partial.jsonl holds the settings that decide a cell's result (the

@@ -32,6 +32,8 @@ from scripts.harness import (  # noqa: E402
     add_arguments,
     file_name,
     runner_from_args,
+    selection_cells,
+    selection_columns,
     write_report,
 )
 from scripts.haystack import NEEDLE, answered, needle_prompt  # noqa: E402
@@ -80,25 +82,11 @@ def sweep(
     return rows
 
 
-def mean_stat(rows: list[dict], key: str, diagnostic: bool = False):
-    """The mean of a SpeCache statistic over rows (None where a method does not report it)."""
-    values = [
-        (r["stats"].get("diagnostics") or {}).get(key) if diagnostic else r["stats"].get(key)
-        for r in rows
-    ]
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
-
-
 def tables(rows: list[dict], methods: list[str], lengths: list[int], depths: list[float]) -> str:
     """Per method: needles found per length and overall, mean ROUGE-1 recall, fast-tier size, and
     SpeCache's selection statistics (the diagnostics with --stats)."""
     diagnostics = any("diagnostics" in r["stats"] for r in rows)
-    extra = ["spec. token right", "fetched kB/token"] + (
-        ["coverage", "oracle coverage", "recall (own low-bit)", "recall (exact)"]
-        if diagnostics
-        else []
-    )
+    extra = selection_columns(diagnostics)
     lines = [
         "| method | fast tier (x 16-bit) at the longest | "
         + " | ".join(f"found @{length}" for length in lengths)
@@ -107,26 +95,13 @@ def tables(rows: list[dict], methods: list[str], lengths: list[int], depths: lis
         + " |",
         "|---" * (len(lengths) + 4 + len(extra)) + "|",
     ]
-
-    def percent(x):
-        return "-" if x is None else f"{100 * x:.0f}%"
-
     for method in methods:
         mine = [r for r in rows if r["method"] == method]
         longest = next(r for r in mine if r["length"] == max(lengths))["stats"]
         ratio = longest.get("fast_tier_ratio_to_16bit_cache")
         per_length = [sum(r["found"] for r in mine if r["length"] == length) for length in lengths]
         recall = sum(r["rouge1_recall"] for r in mine) / len(mine)
-        fetched = mean_stat(mine, "bytes_fetched_per_token")
-        cells = [
-            percent(mean_stat(mine, "speculative_match_rate")),
-            "-" if fetched is None else f"{fetched / 1e3:.0f}",
-        ]
-        if diagnostics:
-            cells += [
-                percent(mean_stat(mine, key, diagnostic=True))
-                for key in ("coverage", "oracle_coverage", "recall_own_lowbit", "recall_exact")
-            ]
+        cells = selection_cells([r["stats"] for r in mine], diagnostics)
         lines.append(
             f"| {method} | {'1' if ratio is None else f'{ratio:.3f}'} | "
             + " | ".join(f"{n}/{len(depths)}" for n in per_length)

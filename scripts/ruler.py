@@ -54,6 +54,8 @@ from scripts.harness import (  # noqa: E402
     SweepLog,
     add_arguments,
     runner_from_args,
+    selection_cells,
+    selection_columns,
     write_report,
 )
 from scripts.haystack import essays_dir  # noqa: E402
@@ -448,6 +450,7 @@ def evaluate(
                                     text=out.text,
                                     score=string_match_all(out.text, references),
                                     fast_tier_bytes=out.fast_tier_bytes,
+                                    stats=out.stats,
                                 )
                                 for method, out in outputs.items()
                             },
@@ -498,6 +501,32 @@ def tables(scores: dict[int, dict[str, dict[str, float]]], tasks: list[str], sam
     return "\n\n".join(blocks)
 
 
+def selection_tables(rows: list[dict], methods: list[str]) -> str:
+    """Per length, SpeCache's selection statistics per method, means over the samples (with
+    --stats, the diagnostics too); empty when no method reports them."""
+    blocks = []
+    for length in dict.fromkeys(r["length"] for r in rows):
+        stats = {
+            method: [r["outputs"][method]["stats"] for r in rows if r["length"] == length]
+            for method in methods
+        }
+        if not any(s for per_sample in stats.values() for s in per_sample):
+            continue
+        diagnostics = any("diagnostics" in s for per_sample in stats.values() for s in per_sample)
+        columns = selection_columns(diagnostics)
+        lines = [
+            f"SpeCache's selection at {length} tokens, means over the samples:",
+            "",
+            "| method | " + " | ".join(columns) + " |",
+            "|---" * (len(columns) + 1) + "|",
+        ]
+        for method, per_sample in stats.items():
+            cells = selection_cells(per_sample, diagnostics)
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -534,7 +563,11 @@ def main(argv: list[str] | None = None) -> None:
     rows = evaluate(runner, tasks, args.lengths, samples, args.seed, log)
     scores = summarize(rows, runner.methods, tasks)
     minutes = log.minutes()
-    markdown = tables(scores, tasks, samples) + f"\n\nThe samples took {minutes:.1f} min."
+    selection = selection_tables(rows, runner.methods)
+    markdown = "\n\n".join(
+        [tables(scores, tasks, samples), *([selection] if selection else [])]
+        + [f"The samples took {minutes:.1f} min."]
+    )
     print(markdown)
     write_report(
         args.out,

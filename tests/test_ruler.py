@@ -10,7 +10,14 @@ from types import SimpleNamespace
 import pytest
 
 from scripts import ruler
-from scripts.ruler import NOISE, TASKS, largest_fitting, make_sample, string_match_all
+from scripts.ruler import (
+    NOISE,
+    TASKS,
+    largest_fitting,
+    make_sample,
+    selection_tables,
+    string_match_all,
+)
 
 LENGTHS = (1024, 2048)
 NIAH_TASKS = [task for task, config in TASKS.items() if config["kind"] == "niah"]
@@ -228,7 +235,7 @@ class FakeRunner:
             "streaming": "",
         }
         return {
-            m: SimpleNamespace(text=replies[m], tokens=[1, 2], fast_tier_bytes=10)
+            m: SimpleNamespace(text=replies[m], tokens=[1, 2], fast_tier_bytes=10, stats={})
             for m in self.methods
         }
 
@@ -337,3 +344,28 @@ def test_resume_runs_the_samples_not_done_and_draws_the_same_ones(fake_cli, monk
     # The fourth sample was drawn after the three taken from the log: the same one as before.
     assert [r["references"] for r in resumed] == [r["references"] for r in whole]
     assert resumed[3]["prompt_tokens"] == whole[3]["prompt_tokens"]
+
+
+def test_selection_tables_average_each_method_s_statistics_over_the_samples():
+    def sample(length, rate, fetched, coverage):
+        diagnostics = dict(
+            coverage=coverage, oracle_coverage=1.0, recall_own_lowbit=0.5, recall_exact=0.25
+        )
+        stats = dict(
+            speculative_match_rate=rate,
+            bytes_fetched_per_token=fetched,
+            diagnostics=diagnostics,
+        )
+        return dict(length=length, outputs=dict(full=dict(stats={}), ours=dict(stats=stats)))
+
+    rows = [sample(1024, 0.5, 1000.0, 0.8), sample(1024, 1.0, 3000.0, 0.6)]
+    rows.append(sample(2048, 0.2, 5000.0, 0.4))
+    text = selection_tables(rows, ["full", "ours"])
+    _, at_1024, at_2048 = text.split("SpeCache's selection")
+    assert at_1024.startswith(" at 1024 tokens") and at_2048.startswith(" at 2048 tokens")
+    assert "| method | spec. token right | fetched kB/token | coverage |" in at_1024
+    assert "| full | - | - | - | - | - | - |" in at_1024
+    assert "| ours | 75% | 2 | 70% | 100% | 50% | 25% |" in at_1024
+    assert "| ours | 20% | 5 | 40% | 100% | 50% | 25% |" in at_2048
+    no_specache = [dict(length=1024, outputs=dict(full=dict(stats={})))]
+    assert selection_tables(no_specache, ["full"]) == ""
