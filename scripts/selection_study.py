@@ -34,6 +34,7 @@ Writes {out}/selection_study.md and .json (every layer's figures).
 """
 
 import argparse
+import math
 import random
 import sys
 import time
@@ -57,7 +58,19 @@ from specache import (  # noqa: E402
     quantize_values,
 )
 
-CHOICES = ("kivi", "copy", "shortlist", "exact top-k (oracle)")
+CHOICES = (
+    "kivi",
+    "copy",
+    "error bound",
+    "copy + outliers",
+    "shortlist",
+    "shortlist by error bound",
+    "shortlist + outliers",
+    "exact top-k (oracle)",
+)
+# The level rules: specache.py's, and Lloyd's levels over keys rotated by a Hadamard transform
+# (study only: RaBitQ/QJL-style rotation spreads a key's outlier channels over all of them).
+STUDY_LEVELS = (*LEVELS, "hadamard")
 
 
 class Recorded(NamedTuple):
@@ -112,13 +125,32 @@ def record_decode(runner: Runner, prompt: list[int], max_new_tokens: int) -> lis
     return recorded
 
 
+def hadamard(n: int) -> Tensor:
+    """The orthonormal Hadamard matrix of size n (a power of two), Sylvester's construction: it is
+    symmetric, so it is its own inverse."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    if h.shape[0] != n:
+        raise SystemExit(f"--levels hadamard needs a head_dim that is a power of two, not {n}")
+    return h / n**0.5
+
+
 def one_bit_copy(
     keys: Tensor, values: Tensor, levels: str, group: int, pair_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    """The dequantized 1-bit copy (float32) of keys and values (Hkv, T, D), T a multiple of g."""
+    """The dequantized 1-bit copy (float32) of keys and values (Hkv, T, D), T a multiple of g.
+    Under `hadamard`, the keys are rotated, quantized at Lloyd's levels and rotated back: a query
+    scores the copy as it would score the rotated copy with a rotated query."""
+    rotation = hadamard(keys.shape[-1]) if levels == "hadamard" else None
+    if rotation is not None:
+        keys, levels = keys.float() @ rotation, "lloyd"
     k = quantize_keys(keys.to(pair_dtype), 1, group, pair_dtype, levels)
     v = quantize_values(values.to(pair_dtype), 1, group, pair_dtype, levels)
-    return dequantize_keys(*k, 1, group).float(), dequantize_values(*v, 1, group).float()
+    k_copy = dequantize_keys(*k, 1, group).float()
+    if rotation is not None:
+        k_copy = k_copy @ rotation
+    return k_copy, dequantize_values(*v, 1, group).float()
 
 
 def step_figures(
@@ -130,10 +162,12 @@ def step_figures(
     sinks: int,
     topk: int,
     shortlist: int = 8,
+    outlier_share: float = 0.005,
 ) -> dict[str, tuple[float, float]]:
     """(error, coverage) of each choice for one step: rows (Hkv, G, D) scaled by D**-0.5 over keys
     and values (Hkv, N, D), the copy standing in for positions [sinks, quantized_len); the
-    shortlist is `shortlist` * k positions long."""
+    shortlist is `shortlist` * k positions long; the outliers, kept exact beside the k picks, are
+    the `outlier_share` of the quantized positions whose keys the copy is furthest from."""
     n_kv, n = keys.shape[0], keys.shape[1]
     low = torch.zeros(n, dtype=torch.bool)
     low[sinks:quantized_len] = True
@@ -147,22 +181,51 @@ def step_figures(
     copy_p = torch.where(low, copy_scores, exact_scores).softmax(-1)
     candidates = int(low.sum())
     copy_ranking = copy_p.amax(1)
-    listed = copy_ranking.masked_fill(~low, float("-inf"))
-    listed = listed.topk(min(shortlist * topk, candidates), -1).indices
+
+    # What a position could add to the output's error, by the copy's residuals (norms the copy
+    # would keep per position): its weight could be up to exp(|q| |k - k_copy|) times the copy's,
+    # and its value is off by |v - v_copy|.
+    key_residual = torch.zeros(n_kv, n)
+    copied = slice(0, quantized_len)
+    key_residual[:, copied] = (keys[:, copied] - copy[0][:, copied]).norm(dim=-1)
+    value_residual = (values - copy_values).norm(dim=-1)[:, None]  # (Hkv, 1, N)
+    growth = (rows.norm(dim=-1, keepdim=True) * key_residual[:, None]).clamp_max(80).exp()
+    upper_p = copy_p * growth
+    value_norm = copy_values.norm(dim=-1)[:, None]
+    error_ranking = ((upper_p - copy_p) * value_norm + upper_p * value_residual).amax(1)
+
+    outliers = torch.zeros(n_kv, n, dtype=torch.bool)
+    count = min(candidates, math.ceil(outlier_share * candidates))
+    if count:
+        worst = key_residual.masked_fill(~low, -1.0).topk(count, -1).indices
+        outliers.scatter_(-1, worst, True)
+
+    def reranked(ranking: Tensor) -> Tensor:
+        """The ranking's shortlist weighed again by the exact keys, the max over query heads."""
+        listed = ranking.masked_fill(~low, float("-inf"))
+        listed = listed.topk(min(shortlist * topk, candidates), -1).indices
+        return torch.full_like(exact_p[:, 0], -1.0).scatter(
+            -1, listed, exact_p.amax(1).gather(-1, listed)
+        )
+
     rankings = {
         "copy": copy_ranking,
-        # the copy's shortlist ranked again by the exact keys, the max over query heads as ours
-        "shortlist": torch.full_like(exact_p[:, 0], -1.0).scatter(
-            -1, listed, exact_p.amax(1).gather(-1, listed)
-        ),
+        "error bound": error_ranking,
+        "copy + outliers": copy_ranking,
+        "shortlist": reranked(copy_ranking),
+        "shortlist by error bound": reranked(error_ranking),
+        "shortlist + outliers": reranked(copy_ranking),
         "exact top-k (oracle)": exact_p.mean(1),
     }
     figures = {}
     for choice in CHOICES:
         read_exactly = (~low).expand(n_kv, n).clone()
+        if choice.endswith("+ outliers"):
+            read_exactly |= outliers
         if choice in rankings and topk > 0 and low.any():
             k = min(topk, candidates)
-            picks = rankings[choice].masked_fill(~low, float("-inf")).topk(k, -1).indices
+            unread = low & ~read_exactly
+            picks = rankings[choice].masked_fill(~unread, float("-inf")).topk(k, -1).indices
             read_exactly.scatter_(-1, picks, True)
         scores = torch.where(read_exactly[:, None], exact_scores, copy_scores)
         mixed_values = torch.where(read_exactly[..., None], values, copy_values)
@@ -234,6 +297,55 @@ def table(results: dict, topks: list[int], levels: list[str]) -> str:
     return "\n".join(lines)
 
 
+def per_layer_k(
+    results: dict, layers: list[int], topks: list[int], level: str, choice: str
+) -> tuple[float, float, dict[int, int]]:
+    """k where it is needed: each layer takes one of `topks`, their mean the middle one's, so
+    that the total pairs are those of the middle k everywhere; the split with the least mean
+    error (exhaustive over the sums, by dynamic programming). Returns the error of the middle k
+    everywhere, the split's error and the split (layer -> k). The split is fitted on the steps it
+    is measured on: what a calibrated per-layer k could at best give."""
+    budget = sorted(topks)[len(topks) // 2]
+    errors = {}  # layer -> {k: mean error over samples}
+    for k in topks:
+        for layer, figures in zip(layers, results[level][str(k)]):
+            errors.setdefault(layer, {}).setdefault(k, []).append(figures[choice][0])
+    errors = {
+        layer: {k: sum(e) / len(e) for k, e in by_k.items()} for layer, by_k in errors.items()
+    }
+    unit = math.gcd(*topks)
+    target = budget * len(errors) // unit
+    best = {0: (0.0, {})}  # units spent -> (error sum, split)
+    for layer, by_k in errors.items():
+        step = {}
+        for spent, (total, split) in best.items():
+            for k, error in by_k.items():
+                units = spent + k // unit
+                if units <= target and (units not in step or total + error < step[units][0]):
+                    step[units] = (total + error, {**split, layer: k})
+        best = step
+    total, split = best[target]
+    uniform = sum(by_k[budget] for by_k in errors.values()) / len(errors)
+    return uniform, total / len(errors), split
+
+
+def per_layer_k_table(results: dict, layers: list[int], topks: list[int], levels: list[str]) -> str:
+    budget = sorted(topks)[len(topks) // 2]
+    lines = [
+        f"k where it is needed: each full-attention layer takes k from {topks}, {budget} on "
+        "average (fitted on these steps):",
+        "",
+        f"| levels | choice | error, k = {budget} everywhere | error, k per layer | k per layer |",
+        "|---|---|---|---|---|",
+    ]
+    for level in levels:
+        for choice in ("copy", "shortlist"):
+            uniform, split_error, split = per_layer_k(results, layers, topks, level, choice)
+            ks = " ".join(str(split[layer]) for layer in sorted(split))
+            lines.append(f"| {level} | {choice} | {uniform:.4f} | {split_error:.4f} | {ks} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -249,7 +361,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--seed", type=int, default=42, help="as ruler.py's: the same samples")
     parser.add_argument(
-        "--levels", nargs="+", default=list(LEVELS), choices=LEVELS, help="1-bit level rules"
+        "--levels",
+        nargs="+",
+        default=list(LEVELS),
+        choices=STUDY_LEVELS,
+        help="1-bit level rules (default: specache.py's; also hadamard: Lloyd's levels over "
+        "keys rotated by a Hadamard transform)",
     )
     parser.add_argument("--group", type=int, default=64, help="g (default 64)")
     parser.add_argument("--residual", type=int, default=64, help="R, the window (default 64)")
@@ -291,6 +408,7 @@ def main(argv: list[str] | None = None) -> None:
     runner = Runner(model, get_tokenizer(checkpoint.parent), ["full"], chat=chat)
     pair_dtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
     results: dict = {level: {str(k): [] for k in args.topk} for level in args.levels}
+    layers = []  # the layer of each entry of results[level][k]
     samples = []
     for task in tqdm(args.tasks, desc="samples", file=sys.stderr):
         rng = random.Random(f"{args.seed}/{task}/{args.length}")
@@ -300,6 +418,7 @@ def main(argv: list[str] | None = None) -> None:
         recorded = record_decode(runner, prompt, max_new_tokens)
         samples.append(dict(task=task, prompt_tokens=len(prompt), references=references))
         for rec in recorded:
+            layers.append(rec.layer)
             for level in args.levels:
                 for k in args.topk:
                     figures = study_layer(
@@ -321,10 +440,21 @@ def main(argv: list[str] | None = None) -> None:
         f"cache, g = {args.group}, R = {args.residual}, {args.sinks} sinks, shortlist "
         f"{args.shortlist} x k. Mean over steps, "
         f"full-attention layers and samples. Wall-clock {(time.perf_counter() - t0) / 60:.1f} "
-        "min.\n\n" + table(results, args.topk, args.levels)
+        "min.\n\n"
+        + table(results, args.topk, args.levels)
+        + (
+            "\n\n" + per_layer_k_table(results, layers, args.topk, args.levels)
+            if len(args.topk) >= 3
+            else ""
+        )
     )
     print(markdown)
-    write_report(args.out, "selection_study", markdown, dict(samples=samples, results=results))
+    write_report(
+        args.out,
+        "selection_study",
+        markdown,
+        dict(samples=samples, layers=layers, results=results),
+    )
 
 
 if __name__ == "__main__":

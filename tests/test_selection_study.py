@@ -9,7 +9,14 @@ import torch.nn.functional as F
 
 from scripts.harness import Runner
 from scripts.ruler import make_sample
-from scripts.selection_study import CHOICES, one_bit_copy, record_decode, step_figures
+from scripts.selection_study import (
+    CHOICES,
+    hadamard,
+    one_bit_copy,
+    per_layer_k,
+    record_decode,
+    step_figures,
+)
 from tokenizer import get_tokenizer
 
 
@@ -28,7 +35,9 @@ def test_figures_follow_their_definitions():
     copy = one_bit_copy(keys[:, :quantized_len], values[:, :quantized_len], "lloyd", 64, torch.half)
     figures = step_figures(rows, keys, values, copy, quantized_len, 4, topk=16)
     assert set(figures) == set(CHOICES)
-    kivi, ranked, shortlisted, oracle = (figures[c] for c in CHOICES)
+    kivi, ranked, shortlisted, oracle = (
+        figures[c] for c in ("kivi", "copy", "shortlist", "exact top-k (oracle)")
+    )
     # fetching helps; the exact keys' second look helps more; the exact top-k covers the most
     # exact attention k positions can
     assert oracle[1] >= shortlisted[1] > ranked[1] > kivi[1] and ranked[0] < kivi[0]
@@ -47,6 +56,14 @@ def test_figures_follow_their_definitions():
     for choice in CHOICES[1:]:
         assert everything[choice][0] == pytest.approx(0.0, abs=1e-5)
         assert everything[choice][1] == pytest.approx(1.0, abs=1e-5)
+    # the outliers are read beside the k picks, never instead of them
+    assert figures["copy + outliers"][1] >= ranked[1]
+    assert figures["shortlist + outliers"][1] >= shortlisted[1]
+    none = step_figures(rows, keys, values, copy, quantized_len, 4, topk=16, outlier_share=0.0)
+    assert none["copy + outliers"] == none["copy"]
+    assert none["shortlist + outliers"] == none["shortlist"]
+    # the error bound's shortlist of k is the bound's own top-k
+    assert short["shortlist by error bound"] == short["error bound"]
     # an exact copy leaves nothing to correct
     exact_copy = (keys[:, :quantized_len], values[:, :quantized_len])
     for error, _ in step_figures(rows, keys, values, exact_copy, quantized_len, 4, 16).values():
@@ -103,3 +120,37 @@ def record_decode_with_outputs(runner, prompt, keep_output, handles):
     finally:
         for handle in handles:
             handle.remove()
+
+
+def test_hadamard_copy_rotates_the_keys_quantizes_and_rotates_back():
+    h = hadamard(32)
+    torch.testing.assert_close(h @ h, torch.eye(32))
+    # Keys whose rotation holds two values per channel in each group of 64 tokens: Lloyd's 1-bit
+    # levels hold the rotated keys exactly, so the copy rotated back is the keys themselves,
+    # while the copy of the unrotated keys is not.
+    generator = torch.Generator().manual_seed(0)
+    low, high = torch.randn(2, 2, 2, 1, 32, generator=generator)  # (Hkv, groups, 1, D) each
+    upper = torch.rand(2, 2, 64, 32, generator=generator) < 0.5
+    rotated = torch.where(upper, high, low).reshape(2, 128, 32).half().float()
+    keys = rotated @ h
+    values = torch.randn(2, 128, 32, generator=generator)
+    k_copy, _ = one_bit_copy(keys, values, "hadamard", 64, torch.float32)
+    torch.testing.assert_close(k_copy, keys, rtol=1e-4, atol=1e-4)
+    plain, _ = one_bit_copy(keys, values, "lloyd", 64, torch.float32)
+    assert (plain - keys).abs().max() > 0.1
+
+
+def test_per_layer_k_moves_pairs_to_the_layer_that_gains_most():
+    # layer 0 gains much from k = 128, layers 1 and 2 lose little at 32; two samples each
+    errors = {0: {32: 0.5, 64: 0.4, 128: 0.1}, 1: {32: 0.2, 64: 0.19, 128: 0.18}}
+    errors[2] = errors[1]
+    layers = [0, 1, 2, 0, 1, 2]
+    results = {
+        "lloyd": {
+            str(k): [{"copy": (errors[layer][k], 0.0)} for layer in layers] for k in (32, 64, 128)
+        }
+    }
+    uniform, split_error, split = per_layer_k(results, layers, [32, 64, 128], "lloyd", "copy")
+    assert uniform == pytest.approx((0.4 + 0.19 + 0.19) / 3)
+    assert split == {0: 128, 1: 32, 2: 32}  # the same 192 pairs in all
+    assert split_error == pytest.approx((0.1 + 0.2 + 0.2) / 3)
