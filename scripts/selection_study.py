@@ -20,15 +20,29 @@ tokens, values per token, specache.py's quantizer). It is compared with the exac
 Choices of the k positions, all made by the step's own row (no speculation, as split=1):
 - kivi: none (nothing fetched);
 - copy: the k positions of highest weight in the copy, the max over a KV head's query heads (ours);
+- error bound: the k positions that could add most to the output's error, by norms the copy
+  would keep beside its codes: the key's and the value's residual |x - x_copy|. A position's
+  weight could be up to exp(|q| |k - k_copy|) times the copy's, so its bound is that growth times
+  |v_copy| plus the grown weight times |v - v_copy| (costs 2 numbers per position and KV head);
+- copy + outliers: the copy's k picks, and beside them, kept exact in the fast tier, the 0.5% of
+  the quantized positions whose keys the copy represents worst (largest key residual);
 - shortlist: the copy's top --shortlist x k positions, ranked again by their exact keys (read
-  from the slow tier: --shortlist x k keys more per step), the k best kept;
+  from the slow tier: --shortlist x k keys more per step), the k best kept (ours);
+- shortlist by error bound, shortlist + outliers: the shortlist listed by the error bound, and
+  the shortlist beside the outliers;
 - exact top-k (oracle): the k positions of most exact attention, the mean over its query heads.
 
 Each is measured for every 1-bit level rule (--levels: the paper's minmax, Lloyd's, midway; values
-are Lloyd's under midway, as specache.py stores them). The oracle's coverage is the most k
-positions can read. Its error is no floor (with a poor copy the error sits on the positions left
-out), but at Lloyd's levels it is the lowest seen: kivi to copy is what the fetch gives, copy to
-oracle what the ranking leaves.
+are Lloyd's under midway, as specache.py stores them; and, for this study only, hadamard: Lloyd's
+levels over keys rotated by a Hadamard transform, queries rotated alike). The oracle's coverage is
+the most k positions can read. Its error is no floor (with a poor copy the error sits on the
+positions left out), but at Lloyd's levels it is the lowest seen: kivi to copy is what the fetch
+gives, copy to oracle what the ranking leaves.
+
+With three or more --topk values, a second table asks what k where it is needed could give: each
+layer takes one of them, the middle one on average (the same pairs in all), split by dynamic
+programming for the least error on these very steps: an optimistic bound for a calibrated
+per-layer k.
 
 Writes {out}/selection_study.md and .json (every layer's figures).
 """
