@@ -1,5 +1,6 @@
 """docs/RESULTS.md's parts on fidelity: Qwen2.5-Coder, the copy's choice step by step, the
-shortlist, and the shortlist as the default (results_sections.py's format)."""
+shortlist, the shortlist as the default, and the other rankings weighed beside it
+(results_sections.py's format)."""
 
 QWEN = [
     (
@@ -252,4 +253,50 @@ DEFAULT = [
         "(6299594). So the 1-bit copy allows the full cache's answers; our choice of positions "
         "misses one digit of a number here and there. 11 min.",
     ),
+]
+
+OTHER_RANKINGS_SUMMARY = (
+    "## Other rankings, step by step\n\nscripts/selection_study.py, as in 'The copy's choice, "
+    "step by step' below, with the rankings the fidelity issue proposed beside the copy and the "
+    "shortlist (docs/method.md#other-rankings-weighed-and-why-they-are-not-in-the-default): an "
+    "error bound from the copy's key and value residual norms, the 0.5% of positions whose keys "
+    "the copy represents worst kept exact (outliers), and keys rotated by a Hadamard transform "
+    "before the 1-bit copy is taken (levels 'hadamard'); then k where it is needed, each "
+    "full-attention layer's k fitted from 32, 64 and 128 for the same pairs in all.\n"
+)
+OTHER_RANKINGS = [
+    (
+        f"selection/study/{folder}/selection_study",
+        title,
+        "scripts/selection_study.py ...",
+        blurb,
+    )
+    for folder, title, blurb in (
+        (
+            "alternatives/smollm2",
+            "SmolLM2-135M-Instruct at 4k: the other rankings",
+            "One sample per task, k = 64; 10.8 min with other work beside it.",
+        ),
+        (
+            "alternatives/qwen2.5-0.5b",
+            "Qwen2.5-Coder-0.5B-Instruct at 8k: the other rankings",
+            "One sample per task, k = 64; 13.3 min with other work beside it.",
+        ),
+        (
+            "alternatives/gemma3",
+            "Gemma-3-270M at 16k: the other rankings",
+            "One sample per task, k = 64; 10.6 min with other work beside it.",
+        ),
+        (
+            "per_layer_k/qwen2.5-0.5b",
+            "Qwen2.5-Coder-0.5B-Instruct at 8k: k where it is needed",
+            "The same samples at k = 32, 64 and 128, then the per-layer split.",
+        ),
+        (
+            "per_layer_k/gemma3",
+            "Gemma-3-270M at 16k: k where it is needed",
+            "The same samples at k = 32, 64 and 128, then the per-layer split over Gemma's three "
+            "full-attention layers.",
+        ),
+    )
 ]

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
-from results_fidelity import DEFAULT, DEFAULT_SUMMARY
+from results_fidelity import DEFAULT, DEFAULT_SUMMARY, OTHER_RANKINGS, OTHER_RANKINGS_SUMMARY
 from results_sections import PARTS, SELECTION, SELECTION_SUMMARY
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,6 +51,8 @@ def page() -> str:
     ]
     parts.append(DEFAULT_SUMMARY)
     parts += [section(*entry, level=3) for entry in DEFAULT]
+    parts.append(OTHER_RANKINGS_SUMMARY)
+    parts += [section(*entry, level=3) for entry in OTHER_RANKINGS]
     parts += [SELECTION_SUMMARY, ablation()]
     parts += [section(*entry, level=3) for entry in SELECTION]
     for summary, entries in PARTS:
