@@ -222,13 +222,14 @@ def step_figures(
             -1, listed, exact_p.amax(1).gather(-1, listed)
         )
 
+    shortlisted = reranked(copy_ranking)
     rankings = {
         "copy": copy_ranking,
         "error bound": error_ranking,
         "copy + outliers": copy_ranking,
-        "shortlist": reranked(copy_ranking),
+        "shortlist": shortlisted,
         "shortlist by error bound": reranked(error_ranking),
-        "shortlist + outliers": reranked(copy_ranking),
+        "shortlist + outliers": shortlisted,
         "exact top-k (oracle)": exact_p.mean(1),
     }
     figures = {}
