@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -442,16 +442,17 @@ class SweepLog:
                 break  # the line being written when the sweep stopped
             self.entries[json.dumps(entry["cell"])] = entry
 
-    def get(self, cell: list):
-        """The result saved for this cell, or None when it has yet to run."""
-        entry = self.entries.get(json.dumps(cell))
-        return None if entry is None else entry["result"]
-
-    def add(self, cell: list, result, seconds: float) -> None:
-        entry = dict(cell=cell, result=result, seconds=seconds)
-        self.entries[json.dumps(cell)] = entry
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(entry) + "\n")
+    def result(self, cell: list, run: Callable[[], Any]) -> Any:
+        """The cell's saved result, or else `run()`'s, timed and saved before it is returned."""
+        key = json.dumps(cell)
+        if key not in self.entries:
+            started = time.perf_counter()
+            result = run()
+            entry = dict(cell=cell, result=result, seconds=time.perf_counter() - started)
+            self.entries[key] = entry
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(entry) + "\n")
+        return self.entries[key]["result"]
 
     def minutes(self) -> float:
         """The time the cells held took, over every run that added to the log."""

@@ -36,9 +36,9 @@ import json
 import re
 import string
 import sys
-import time
 import zipfile
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -437,12 +437,8 @@ def evaluate(
     for task, rows in data.items():
         for index, sample in enumerate(rows):
             progress.set_postfix_str(task)
-            row = None if log is None else log.get([task, index])
-            if row is None:
-                started = time.perf_counter()
-                row = run_sample(runner, task, sample, max_length)
-                if log is not None:
-                    log.add([task, index], row, time.perf_counter() - started)
+            run = partial(run_sample, runner, task, sample, max_length)
+            row = run() if log is None else log.result([task, index], run)
             for method in methods:
                 per_sample[method][task].append(row["scores"][method])
             samples_out[task].append(row)

@@ -20,7 +20,7 @@ done, for --resume.
 
 import argparse
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 from rouge_score import rouge_scorer
@@ -47,6 +47,25 @@ def rouge1_recall(reply: str, needle: str = NEEDLE) -> float:
     return rouge_scorer.RougeScorer(["rouge1"]).score(needle.strip(), reply)["rouge1"].recall
 
 
+def run_cell(runner, length: int, depth: float, new_tokens: int) -> list[dict]:
+    """One row per method for a needle at `depth` % of `length` tokens: the reply and its scores."""
+    prompt = needle_prompt(runner.tokenizer, length, depth, chat=runner.chat)
+    return [
+        dict(
+            length=length,
+            depth=depth,
+            prompt_tokens=len(prompt),
+            method=method,
+            reply=out.text,
+            found=answered(out.text),
+            rouge1_recall=rouge1_recall(out.text),
+            fast_tier_bytes=out.fast_tier_bytes,
+            stats=out.stats,
+        )
+        for method, out in runner.run(prompt, new_tokens).items()
+    ]
+
+
 def sweep(
     runner, lengths: list[int], depths: list[float], new_tokens: int, log: SweepLog | None = None
 ) -> list[dict]:
@@ -55,30 +74,8 @@ def sweep(
     rows = []
     cells = [(length, depth) for length in lengths for depth in depths]
     for length, depth in tqdm(cells, desc="needle cells", file=sys.stderr):
-        saved = None if log is None else log.get([length, depth])
-        if saved is not None:
-            rows += saved
-            continue
-        started = time.perf_counter()
-        prompt = needle_prompt(runner.tokenizer, length, depth, chat=runner.chat)
-        cell_rows = []
-        for method, out in runner.run(prompt, new_tokens).items():
-            cell_rows.append(
-                dict(
-                    length=length,
-                    depth=depth,
-                    prompt_tokens=len(prompt),
-                    method=method,
-                    reply=out.text,
-                    found=answered(out.text),
-                    rouge1_recall=rouge1_recall(out.text),
-                    fast_tier_bytes=out.fast_tier_bytes,
-                    stats=out.stats,
-                )
-            )
-        if log is not None:
-            log.add([length, depth], cell_rows, time.perf_counter() - started)
-        rows += cell_rows
+        run = partial(run_cell, runner, length, depth, new_tokens)
+        rows += run() if log is None else log.result([length, depth], run)
     return rows
 
 

@@ -34,9 +34,8 @@ import random
 import re
 import string
 import sys
-import time
 import uuid
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -411,6 +410,27 @@ def string_match_all(prediction: str, references: list[str]) -> float:
     return 100 * sum(r.lower() in prediction.lower() for r in references) / len(references)
 
 
+def run_sample(runner: Runner, sample: Sample, length: int, task: str, index: int) -> dict:
+    """One sample through every method: its references and each method's reply and score."""
+    outputs = runner.run(sample.prompt_tokens, sample.max_new_tokens)
+    return dict(
+        length=length,
+        task=task,
+        index=index,
+        prompt_tokens=len(sample.prompt_tokens),
+        references=sample.references,
+        outputs={
+            method: dict(
+                text=out.text,
+                score=string_match_all(out.text, sample.references),
+                fast_tier_bytes=out.fast_tier_bytes,
+                stats=out.stats,
+            )
+            for method, out in outputs.items()
+        },
+    )
+
+
 def evaluate(
     runner: Runner,
     tasks: list[str],
@@ -431,33 +451,11 @@ def evaluate(
                 # run.
                 rng = random.Random(f"{seed}/{task}/{length}")
                 for index in range(samples):
-                    started = time.perf_counter()
                     # Drawn even when the log holds the sample: the next ones depend on it.
-                    prompt, references, max_new_tokens = make_sample(
-                        task, runner.tokenizer, length, rng, chat=runner.chat
-                    )
-                    row = None if log is None else log.get([length, task, index])
-                    if row is None:
-                        outputs = runner.run(prompt, max_new_tokens)
-                        row = dict(
-                            length=length,
-                            task=task,
-                            index=index,
-                            prompt_tokens=len(prompt),
-                            references=references,
-                            outputs={
-                                method: dict(
-                                    text=out.text,
-                                    score=string_match_all(out.text, references),
-                                    fast_tier_bytes=out.fast_tier_bytes,
-                                    stats=out.stats,
-                                )
-                                for method, out in outputs.items()
-                            },
-                        )
-                        if log is not None:
-                            log.add([length, task, index], row, time.perf_counter() - started)
-                    rows.append(row)
+                    sample = make_sample(task, runner.tokenizer, length, rng, chat=runner.chat)
+                    cell = [length, task, index]
+                    run = partial(run_sample, runner, sample, *cell)
+                    rows.append(run() if log is None else log.result(cell, run))
                     bar.update()
     return rows
 
