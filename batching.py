@@ -1,16 +1,23 @@
 """Continuous batching (serve.py's engine): sequences join a running batch and leave it at pass
 boundaries, and a conversation's cache can be kept for its next turn.
 
-Every sequence has a cache of its own (caches.py, set up for one sequence). Each turn the engine
-runs the model once over every sequence that has work: one decode step's rows of each decoding
-sequence and the next prompt chunk (`prefill_chunk`) of joining ones, packed one after another in
-one pass, so the weights are read once per turn and a joining prompt costs the running answers
-one slower turn, not a pause (chunked prefill beside decode, as Sarathi-Serve and vLLM schedule
-it). In each layer, `Packed` hands each sequence's run of rows to its own cache module with its
-own mask. A sequence leaves as soon as its answer is complete. Its cache then goes back to a
-pool, or, when the request allows it, into the kept conversations (`KeptConversations`): a later
-request whose tokens extend what that cache holds continues it and prefills only its new tokens,
-as chat.py does.
+Each turn the engine runs the model once over every sequence that has work: one decode step's
+rows of each decoding sequence and the next prompt chunk (`prefill_chunk`) of joining ones, packed
+one after another in one pass, so the weights are read once per turn and a joining prompt costs the
+running answers one slower turn, not a pause (chunked prefill beside decode, as Sarathi-Serve and
+vLLM schedule it). In each layer, `Packed` hands each sequence's run of rows to its cache with its
+own mask.
+
+Where do the caches live? The full cache is one cache set up for `max_batch_size` sequences, shared
+by the sequences a row each (caches.FullCache.row): a decode step then attends in one call per
+layer for every decoding sequence (`decode_on_rows`), where a cache per sequence would take one
+call per sequence and layer. Other caches (SpeCache, whose tiers and selection state are set up
+per generation; a model with sliding-window rings) give each sequence a cache of its own.
+
+A sequence leaves as soon as its answer is complete. Its cache (or row) then serves the next one,
+or, when the request allows it, goes into the kept conversations (`KeptConversations`; a row is
+copied out first, `SavedRow`): a later request whose tokens extend what that cache holds continues
+it and prefills only its new tokens, as chat.py does.
 
 A sequence decodes exactly as `generation.generate` decodes it alone (the same prefill chunks,
 bootstrap and steps), so greedy answers equal generate.py's; sampling draws from the sequence's own
@@ -21,29 +28,66 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
 from generation import prefill_rows, sample
-from model import Mask, Transformer
+from model import KVCache, Mask, Transformer
+
+
+def decode_on_rows(
+    shared: KVCache, at: Tensor, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor
+) -> Tensor:
+    """One layer's decode step of several sequences in one attention call: q, k, v (1, H, n, D) at
+    positions (1, n) are n sequences' rows, the i-th on row at[i] of the `shared` cache. Each row's
+    K, V are written there, then every row of the cache attends: the n sequences' at their
+    positions, the others (free, or a joining sequence's) at position 0, a query of zeros whose
+    output is dropped, and what those rows hold is not touched. The output (1, H, n, D)."""
+    pos = input_pos[0]
+    shared.k_cache[at, :, pos] = k[0].transpose(0, 1).to(shared.k_cache.dtype)
+    shared.v_cache[at, :, pos] = v[0].transpose(0, 1).to(shared.v_cache.dtype)
+    rows = shared.k_cache.shape[0]
+    queries = q.new_zeros(rows, q.shape[1], 1, q.shape[3])
+    queries[at] = q[0].transpose(0, 1).unsqueeze(2)
+    positions = pos.new_zeros(rows, 1)
+    positions[at, 0] = pos
+    out = shared.attend(queries, positions, None)
+    return out[at, :, 0].transpose(0, 1).unsqueeze(0)
 
 
 class Packed(nn.Module):
     """One layer's attention over several sequences' rows in one pass: the pass's rows (1, N) are
-    the sequences' rows one after another, and the i-th run of `rows[i]` of them goes to
-    `members[i]` (that sequence's cache module) with `masks[i]`: None for a decode step's rows, a
-    CausalPrompt for a prompt chunk's. The mask the model passes is not read."""
+    the sequences' rows one after another. With `shared` (a shared cache's layer, and the rows of
+    the sequences whose decode steps come first in the pass, one row each), those go to
+    `decode_on_rows` together. Then the i-th run of `rows[i]` goes to `members[i]` (that
+    sequence's cache module) with `masks[i]`: None for a decode step's rows, a CausalPrompt for a
+    prompt chunk's. The mask the model passes is not read."""
 
-    def __init__(self, members: list[nn.Module], rows: list[int], masks: list[Mask]):
+    def __init__(
+        self,
+        members: list[nn.Module],
+        rows: list[int],
+        masks: list[Mask],
+        shared: Optional[tuple[KVCache, Tensor]] = None,
+    ):
         super().__init__()
         self.members = members  # a plain list: the modules belong to their caches, not to this
-        self.rows, self.masks = rows, masks
+        self.rows, self.masks, self.shared = rows, masks, shared
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask: Mask) -> Tensor:
         out, first = [], 0
+        if self.shared is not None:
+            layer, at = self.shared
+            first = len(at)
+            part = slice(0, first)
+            out.append(
+                decode_on_rows(
+                    layer, at, q[:, :, part], k[:, :, part], v[:, :, part], input_pos[:, part]
+                )
+            )
         for member, n, own in zip(self.members, self.rows, self.masks):
             part = slice(first, first + n)
             out.append(member(q[:, :, part], k[:, :, part], v[:, :, part], input_pos[:, part], own))
@@ -59,11 +103,13 @@ def plug(model: Transformer, modules: list[nn.Module]) -> None:
 
 @dataclass
 class Slot:
-    """A cache for one sequence and the modules it plugs into the model's layers."""
+    """A cache for one sequence and the modules it plugs into the model's layers: a cache of its
+    own, or `row` of the engine's shared cache (then `cache` is the shared one)."""
 
     cache: Any
     modules: list[nn.Module]
     ids: list[int] = field(default_factory=list)  # the tokens the cache holds (a kept one)
+    row: Optional[int] = None
 
     def nbytes(self) -> int:
         """The bytes this cache holds, as allocated (its capacity, not its length): every layer's
@@ -75,16 +121,44 @@ class Slot:
         return total
 
 
-class KeptConversations:
-    """Caches of finished requests, least recently used first out, up to `budget` bytes (RAM, and
-    a disk tier's files)."""
+@dataclass
+class SavedRow:
+    """A finished conversation's row of the shared cache, copied out so that the row serves the
+    next sequence: every layer's K and V up to len(ids) positions. They go back into a free row when
+    the conversation goes on, and cost what they hold, not a row's capacity."""
 
-    def __init__(self, budget: int, release: Callable[[Slot], None]):
+    ids: list[int]
+    k: list[Tensor]
+    v: list[Tensor]
+
+    @classmethod
+    def of(cls, slot: Slot, ids: list[int]) -> "SavedRow":
+        n = len(ids)
+        k = [module.k_cache[:, :, :n].clone() for module in slot.modules]
+        return cls(ids, k, [module.v_cache[:, :, :n].clone() for module in slot.modules])
+
+    def restore(self, slot: Slot) -> None:
+        for module, k, v in zip(slot.modules, self.k, self.v):
+            module.k_cache[:, :, : k.shape[2]] = k
+            module.v_cache[:, :, : v.shape[2]] = v
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in [*self.k, *self.v])
+
+
+Kept = Union[Slot, SavedRow]
+
+
+class KeptConversations:
+    """Caches (or saved rows) of finished requests, least recently used first out, up to `budget`
+    bytes (RAM, and a disk tier's files)."""
+
+    def __init__(self, budget: int, release: Callable[[Kept], None]):
         self.budget, self.release = budget, release
-        self.slots: OrderedDict[int, Slot] = OrderedDict()  # by id(slot), oldest first
+        self.slots: OrderedDict[int, Kept] = OrderedDict()  # by id(slot), oldest first
         self.bytes = 0  # theirs, as allocated (an int, which /health reads from another thread)
 
-    def keep(self, slot: Slot) -> None:
+    def keep(self, slot: Kept) -> None:
         if self.budget <= 0 or slot.nbytes() > self.budget:
             return self.release(slot)
         self.slots[id(slot)] = slot
@@ -92,7 +166,7 @@ class KeptConversations:
         while self.bytes > self.budget:
             self.release(self._leave(next(iter(self.slots))))
 
-    def take(self, prompt: list[int]) -> Optional[Slot]:
+    def take(self, prompt: list[int]) -> Optional[Kept]:
         """The kept cache whose tokens the prompt extends, token for token (the longest such); it
         leaves the kept ones."""
         best = None
@@ -106,7 +180,7 @@ class KeptConversations:
         while self.slots:
             self.release(self._leave(next(iter(self.slots))))
 
-    def _leave(self, key: int) -> Slot:
+    def _leave(self, key: int) -> Kept:
         slot = self.slots.pop(key)
         self.bytes -= slot.nbytes()
         return slot
@@ -139,7 +213,8 @@ class QueueFull(Exception):
 
 class Engine:
     """The worker thread that owns the model: a queue of jobs, the sequences joining (prefilling)
-    and decoding, a pool of free caches, and the kept conversations.
+    and decoding, the free caches (or rows of the shared cache), and the kept conversations.
+    `make_cache(n)` sets up a cache for n sequences in the model.
 
     Each turn of its loop admits waiting jobs while fewer than `max_batch_size` run, then runs one
     pass: a decode step of every decoding sequence and the next prompt chunks of joining ones, up
@@ -148,7 +223,7 @@ class Engine:
     def __init__(
         self,
         model: Transformer,
-        make_cache: Callable[[], Any],
+        make_cache: Callable[[int], Any],
         capacity: int,
         max_batch_size: int = 8,
         max_queue: int = 64,
@@ -164,11 +239,18 @@ class Engine:
         self.joining: deque[Sequence] = deque()
         self.decoding: list[Sequence] = []
         self.free: list[Slot] = []
-        self.kept = KeptConversations(keep_bytes, self._release)
+        self.kept = KeptConversations(keep_bytes, self._let_go)
         probe = self._new_slot()  # a bad cache setting fails here, before anything is served
         self.chunks = probe.cache.chunks  # whether prompts may go in chunks, on top of a history
         self.prefill_chunk = prefill_chunk if self.chunks else None
-        self.free.append(probe)
+        self.shared = None  # one cache for every sequence, a row each, where its kind allows it
+        if getattr(probe.cache, "shares_rows", False):
+            self.shared = make_cache(max_batch_size)
+            self.free = [
+                Slot(self.shared, self.shared.row(r), row=r) for r in range(max_batch_size)
+            ]
+        else:
+            self.free.append(probe)
         # what /health reports; written by the worker only
         self.started = time.monotonic()
         self.finished_jobs, self.tokens_generated, self.prompt_tokens_reused = 0, 0, 0
@@ -227,22 +309,33 @@ class Engine:
     # --- caches ----------------------------------------------------------------------------
 
     def _new_slot(self) -> Slot:
-        cache = self.make_cache()  # it plugs its modules into the model
+        cache = self.make_cache(1)  # it plugs its modules into the model
         return Slot(cache, [layer.attention.kv_cache for layer in self.model.layers])
 
     def _release(self, slot: Slot) -> None:
-        """A cache no sequence holds any more: its files go (a disk tier); it waits in the pool
-        for the next sequence, up to one per batch row."""
+        """A cache (or row) no sequence holds any more: its files go (a disk tier); it waits for
+        the next sequence, up to one per batch row. A row's old K, V need no clearing: a prompt's
+        prefill writes every position its sequence reads."""
         slot.cache.finish()
         slot.ids = []
         if len(self.free) < self.max_batch_size:
             self.free.append(slot)
 
+    def _let_go(self, kept: Kept) -> None:
+        """A kept conversation leaves the kept ones: its cache is released (a saved row's copy
+        just goes)."""
+        if isinstance(kept, Slot):
+            self._release(kept)
+
     def _join(self, job) -> None:
-        slot = self.kept.take(job.prompt_ids) if job.keep and self.chunks else None
-        held = len(slot.ids) if slot is not None else 0
-        if slot is None:
+        kept = self.kept.take(job.prompt_ids) if job.keep and self.chunks else None
+        held = len(kept.ids) if kept is not None else 0
+        if isinstance(kept, Slot):
+            slot = kept
+        else:  # a free row is there: rows are as many as sequences may run
             slot = self.free.pop() if self.free else self._new_slot()
+            if kept is not None:
+                kept.restore(slot)
         device = self.model.tok_embeddings.weight.device
         seed = job.sampling[2]
         generator = None
@@ -362,6 +455,16 @@ class Engine:
             if len(members) == 1:
                 plug(self.model, members[0])
                 mask = masks[0]
+            elif self.shared is not None and decoding:  # the decode steps in one call per layer
+                at = torch.tensor([seq.slot.row for seq in decoding], device=device)
+                first = len(decoding)
+                per_layer = zip(self.shared.layers, *members[first:])
+                chunks = [
+                    Packed(list(joining), rows[first:], masks[first:], (layer, at))
+                    for layer, *joining in per_layer
+                ]
+                plug(self.model, chunks)
+                mask = None
             else:
                 plug(self.model, [Packed(list(m), rows, masks) for m in zip(*members)])
                 mask = None
@@ -453,17 +556,25 @@ class Engine:
         slot = seq.slot
         if seq.job.keep and self.chunks:
             # the cache holds the prompt and every sampled token but the last (chat.py's rule)
-            slot.cache.finish(keep=True)
-            slot.ids = list(seq.job.prompt_ids) + seq.sampled[:-1]
-            self.kept.keep(slot)
+            ids = list(seq.job.prompt_ids) + seq.sampled[:-1]
+            if slot.row is None:
+                slot.cache.finish(keep=True)
+                slot.ids = ids
+                self.kept.keep(slot)
+            else:
+                self.kept.keep(SavedRow.of(slot, ids))
+                self._release(slot)
         else:
             self._release(slot)
         self.finished_jobs += 1
         self.decoding.remove(seq)  # last: a sequence counts as running until its cache is put away
 
     def _drop(self, seq: Sequence) -> None:
-        """A cache left in an unknown state by an error: its files go, the cache is not reused."""
+        """A cache left in an unknown state by an error: its files go, the cache is not reused (a
+        row is: the next prompt's prefill writes every position its sequence reads)."""
         try:
             seq.slot.cache.finish()
         except Exception as error:
             print(f"error: a failed sequence's cache did not finish: {error}", flush=True)
+        if seq.slot.row is not None:
+            self.free.append(seq.slot)

@@ -133,10 +133,10 @@ class KernelKVCache(KVCache):
     each row's position, 16-bit elements widened in registers); prompts, other masks and shapes
     the kernel does not take go through KVCache's attention."""
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask) -> Tensor:
+    def attend(self, q: Tensor, input_pos: Tensor, mask) -> Tensor:
         if mask is not None or not dense_cpu.takes(q, self.k_cache):
-            return super().forward(q, k, v, input_pos, mask)
-        k_all, v_all = self.update(input_pos, k, v)
+            return super().attend(q, input_pos, mask)
+        k_all, v_all = self.k_cache[: q.shape[0]], self.v_cache[: q.shape[0]]
         return dense_cpu.dense_decode_attention(q.float(), k_all, v_all, input_pos).to(q.dtype)
 
 
@@ -166,10 +166,19 @@ class FullCache:
             batch_size, max_seq_length, self.kv_dtype, kv_cache=KernelKVCache if kernel else KVCache
         )
         self.model = model
+        self.layers = [layer.attention.kv_cache for layer in model.layers]
+        # sequences that come and go at different times may share this cache, a row each (serve.py's
+        # engine), where every layer's cache has rows to share: no sliding window's ring
+        self.shares_rows = all(isinstance(layer, KVCache) for layer in self.layers)
         use_flex = use_flex and not kernel  # the kernel reads the cache by position: no block mask
         self.block_mask = (
             create_causal_block_mask(model.max_seq_length, device) if use_flex else None
         )
+
+    def row(self, index: int) -> list[KVCache]:
+        """Row `index` of every layer's cache, as caches of their own (views: see KVCache.row), to
+        plug into the model for the sequence on that row."""
+        return [layer.row(index) for layer in self.layers]
 
     def begin(self, tokens: Tensor, lengths: Tensor, held: int = 0) -> None:
         pass  # prefill overwrites every position a generation reads, from `held` on

@@ -139,20 +139,35 @@ class KVCache(nn.Module):
             "v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False
         )
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
         """Write k, v (B, Hkv, S, D) at per-sequence positions input_pos (B, S)."""
         batch = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
         self.k_cache[batch, :, input_pos] = k.transpose(1, 2).to(self.k_cache.dtype)
         self.v_cache[batch, :, input_pos] = v.transpose(1, 2).to(self.v_cache.dtype)
-        return self.k_cache[: k.shape[0]], self.v_cache[: k.shape[0]]
 
     def ingest_prompt(self, k: Tensor, v: Tensor) -> None:
         """Hold prompts' k, v (B, Hkv, S, D) computed by a prefill elsewhere."""
         self.k_cache[: k.shape[0], :, : k.shape[2]] = k.to(self.k_cache.dtype)
         self.v_cache[: v.shape[0], :, : v.shape[2]] = v.to(self.v_cache.dtype)
 
+    def row(self, index: int) -> "KVCache":
+        """Row `index` of this cache as a cache of its own, for one sequence: a view, so what it
+        writes lands here (serve.py's sequences, which come and go at different times, share one
+        cache a row each)."""
+        view = type(self).__new__(type(self))
+        nn.Module.__init__(view)
+        for name in ("k_cache", "v_cache"):
+            view.register_buffer(name, getattr(self, name)[index : index + 1], persistent=False)
+        return view
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask: Mask) -> Tensor:
-        k_all, v_all = self.update(input_pos, k, v)
+        self.update(input_pos, k, v)
+        return self.attend(q, input_pos, mask)
+
+    def attend(self, q: Tensor, input_pos: Tensor, mask: Mask) -> Tensor:
+        """The attention of rows q (B, H, S, D) at `input_pos` over what rows 0..B-1 of the cache
+        hold, their own K, V written already."""
+        k_all, v_all = self.k_cache[: q.shape[0]], self.v_cache[: q.shape[0]]
         if isinstance(mask, CausalPrompt) and mask.start:  # rows on top of what the cache holds
             end = mask.start + q.shape[2]
             k_all, v_all, mask = k_all[:, :, :end], v_all[:, :, :end], None

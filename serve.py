@@ -23,13 +23,15 @@ Batching is continuous (batching.py): one worker thread owns the model; requests
 it has fewer than --max_batch_size, and leave it as soon as their answer is complete. Each pass of
 the model takes a decode step of every running answer and up to --prefill_chunk tokens of joining
 prompts (whole chunks, shortest prompt first), so running answers go on streaming while a long
-prompt joins. Each request has a cache of its own: greedy answers equal generate.py's for the same
-prompt (with the same --prefill_chunk), and a sampled request with a seed gives the same answer
-alone or beside others. `--batching static` lets requests join only an empty batch
-(the baseline scripts/bench_serve.py compares with).
+prompt joins. With the full cache the requests share one cache, a row each (a decode step attends
+in one call per layer for all of them); with the others each request has a cache of its own.
+Either way greedy answers equal generate.py's for the same prompt (with the same --prefill_chunk),
+and a sampled request with a seed gives the same answer alone or beside others. `--batching
+static` lets requests join only an empty batch (the baseline scripts/bench_serve.py compares with).
 
-Conversations: the cache of a finished chat request is kept (up to --keep_conversations_gb, its
-bytes as allocated, a disk tier's files included; least recently used first out). A chat request
+Conversations: the cache of a finished chat request is kept (up to --keep_conversations_gb: a
+full-cache row's K and V copied out, the tokens it holds; another cache whole, its bytes as
+allocated, a disk tier's files included; least recently used first out). A chat request
 whose tokens extend a kept cache's token for token (the same messages, the assistant's reply as it
 was sent, and a new turn) continues that cache and prefills only its new tokens, as chat.py does;
 any other starts afresh. When the server stops, every cache goes, and a disk tier's files with it.
@@ -418,8 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=1.0,
         help="bytes (RAM, and a disk tier's files) for the caches of finished chat requests, least "
-        "recently used first out: a "
-        "request whose messages extend one prefills only its new tokens (default 1; 0: keep none)",
+        "recently used first out: a request whose messages extend one prefills only its new tokens "
+        "(default 1; 0: keep none)",
     )
     p.add_argument(
         "--log_level",
@@ -458,7 +460,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         capacity = context_length(args.max_seq_length, model)
         engine = Engine(
             model,
-            lambda: cache_from_args(args, model, 1, capacity),  # a cache for each sequence
+            lambda batch: cache_from_args(args, model, batch, capacity),
             capacity,
             args.max_batch_size,
             args.max_queue,

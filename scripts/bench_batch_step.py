@@ -57,7 +57,7 @@ def engine_step_seconds(model, method: str, prompts: list[list[int]], capacity: 
     """The mean seconds of an engine's decode pass once every prompt decodes."""
     engine = Engine(
         model,
-        lambda: make_cache(method, model, 1, capacity),
+        lambda n: make_cache(method, model, n, capacity),
         capacity,
         max_batch_size=len(prompts),
         prefill_chunk=CHUNK,

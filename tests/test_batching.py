@@ -8,8 +8,10 @@ import time
 import pytest
 import torch
 
+import batching
 from batching import Engine, Sequence, Slot
-from caches import FullCache, make_cache
+from caches import FullCache, KernelKVCache, make_cache
+from model import KVCache
 from generation import GenerateOptions, generate
 from tests.conftest import tiny_model
 
@@ -84,7 +86,7 @@ def new_engine(model, method="full", options=None, **kwargs) -> Engine:
     """An engine (not started) whose sequences each get a `method` cache of CAPACITY."""
     options = options or {}
     return Engine(
-        model, lambda: make_cache(method, model, 1, CAPACITY, **options), CAPACITY, **kwargs
+        model, lambda n: make_cache(method, model, n, CAPACITY, **options), CAPACITY, **kwargs
     )
 
 
@@ -186,6 +188,73 @@ def test_a_request_that_extends_a_kept_conversation_prefills_only_its_new_tokens
     stranger.result()
     assert stranger.reused == 0
     assert settled(engine)["kept_conversations"] == 2  # turn 2's cache and the stranger's
+
+
+@pytest.mark.parametrize("kind", [KVCache, KernelKVCache])
+def test_decode_steps_on_rows_of_a_shared_cache_equal_each_row_alone(kind):
+    """decode_on_rows (SDPA's path, as on a GPU, and the CPU kernel's) against each sequence's
+    step on its own row: the same outputs and writes, and the rows no one decodes untouched."""
+    g = torch.Generator().manual_seed(0)
+    shared = kind(4, 32, 2, 16, torch.float32)
+    shared.k_cache.copy_(torch.randn(shared.k_cache.shape, generator=g))
+    shared.v_cache.copy_(torch.randn(shared.v_cache.shape, generator=g))
+    apart = kind(4, 32, 2, 16, torch.float32)
+    apart.k_cache.copy_(shared.k_cache)
+    apart.v_cache.copy_(shared.v_cache)
+    at, pos = torch.tensor([2, 0]), torch.tensor([[9, 20]])
+    q, k, v = (torch.randn(1, n, 2, 16, generator=g) for n in (4, 2, 2))
+    out = batching.decode_on_rows(shared, at, q, k, v, pos)
+    for i, row in enumerate(at.tolist()):
+        one = apart.row(row)
+        alone = one(
+            q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], pos[:, i : i + 1], None
+        )
+        torch.testing.assert_close(out[:, :, i : i + 1], alone)
+    torch.testing.assert_close(shared.k_cache, apart.k_cache, rtol=0, atol=0)
+    torch.testing.assert_close(shared.v_cache, apart.v_cache, rtol=0, atol=0)
+
+
+def test_the_full_cache_is_one_cache_shared_a_row_each(monkeypatch):
+    """The full cache's sequences share one cache, a row each: the decode steps of all running
+    sequences take one attention call per layer. A kept conversation is copied out of its row, which
+    then serves other sequences (they overwrite it), and goes back into a row when it continues:
+    its answer is the one generate gives continuing a kept cache, and it costs what it holds."""
+    model = tiny_model()
+    calls = []
+    real = batching.decode_on_rows
+
+    def counted(shared, at, *args):
+        calls.append(len(at))
+        return real(shared, at, *args)
+
+    monkeypatch.setattr(batching, "decode_on_rows", counted)
+    engine = engine_for(model, "full", {}, max_batch_size=2, keep_bytes=10**9)
+    assert engine.shared is not None and len(engine.free) == 2
+    turn1 = Collect(prompts(1)[0], 8, keep=True)
+    engine.submit(turn1)
+    answer1 = turn1.result()
+    held = len(turn1.prompt_ids) + len(answer1) - 1
+    others = [Collect(p + p, 6) for p in prompts(2, seed=9)]  # 80-240 tokens: past turn 1's
+    for job in others:
+        engine.submit(job)
+    answers = [job.result() for job in others]
+    settled(engine)  # the engine has the model to itself until then
+    assert answers == [alone(model, "full", {}, job.prompt_ids, 6)[0] for job in others]
+    assert max(calls) == 2  # both decoding sequences' steps in one call
+    new = [answer1[-1], 5, 6, 7]
+    turn2 = Collect(turn1.prompt_ids + answer1[:-1] + new, 8, keep=True)
+    engine.submit(turn2)
+    answer2 = turn2.result()
+    assert turn2.reused == held
+    _, cache = alone(model, "full", {}, turn1.prompt_ids, 8)
+    assert answer2 == alone(model, "full", {}, new, 8, held=held, cache=cache)[0]
+    c = model.config
+    per_position = c.n_layer * 2 * c.n_local_heads * c.head_dim * 4  # float32 K and V
+    held2 = held + len(new) + len(answer2) - 1
+    assert settled(engine)["kept_conversations_bytes"] == held2 * per_position
+    for name in ("specache", "kivi"):  # a cache of their own: per-generation tier state
+        assert new_engine(model, *METHODS[name]).shared is None
+    assert new_engine(tiny_model(**HYBRID)).shared is None  # sliding-window rings
 
 
 def test_kept_conversations_stay_within_their_budget_and_their_files_go(tmp_path):
