@@ -5,16 +5,15 @@
     python scripts/bench_serve.py --prompt_tokens 512 --concurrency 1 2 --requests 2 --out \
         /tmp/serve
 
-Per method, one server (`python serve.py`, in a subprocess on 127.0.0.1, eager, --max_batch_size
-the highest concurrency, --max_seq_length the prompt plus the answer) and, per concurrency C, C
-clients (threads with the official `openai` client) that each send --requests completions one after
-the other: a prompt of --prompt_tokens tokens (its own text per request, so that nothing is shared),
-at most --max_tokens new tokens, greedy (the prompts are prose the model continues; an answer that
-stops early counts the tokens it has). One warm-up request goes first. Reported: requests/s and
-generated tokens/s over
-the wall-clock of all of a concurrency's requests, the median latency of a request, and the
-server's peak resident memory (VmHWM, after all concurrencies), with the server's default
-(continuous) batching.
+Per method, one server (`python serve.py`, in a subprocess on 127.0.0.1, eager, in --dtype,
+--max_batch_size the highest concurrency, --max_seq_length the prompt plus the answer) and, per
+concurrency C, C clients (threads with the official `openai` client) that each send --requests
+completions one after the other: a prompt of --prompt_tokens tokens (its own text per request, so
+that nothing is shared), at most --max_tokens new tokens, greedy (the prompts are prose the model
+continues; an answer that stops early counts the tokens it has). One warm-up request goes first.
+Reported: requests/s and generated tokens/s over the wall-clock of all of a concurrency's requests,
+the median latency of a request, and the server's peak resident memory (VmHWM, after all
+concurrencies), with the server's default (continuous) batching.
 
     python scripts/bench_serve.py --workload mixed    # static against continuous batching
     python scripts/bench_serve.py --workload turns    # a second chat turn, kept or prefilled again
@@ -118,11 +117,11 @@ def peak_rss_bytes(pid: int) -> int:
     return 0
 
 
-def serve(checkpoint: Path, context: int, flags: list[str], port: int, log: Path):
-    """A server on `checkpoint` with `flags`, and an `openai` client for it."""
-    process = start_server(
-        ["--checkpoint", str(checkpoint), "--max_seq_length", str(context), *flags], port, log
-    )
+def serve(args, checkpoint: Path, context: int, flags: list[str], log: Path):
+    """A server on `checkpoint` in --dtype with `flags`, and an `openai` client for it."""
+    port = args.port
+    common = ["--checkpoint", str(checkpoint), "--max_seq_length", str(context)]
+    process = start_server([*common, "--dtype", args.dtype, *flags], port, log)
     client = openai.OpenAI(
         base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=1800, max_retries=0
     )
@@ -139,7 +138,7 @@ def load(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[st
     rows = []
     for method in args.methods:
         flags = ["--max_batch_size", str(max(args.concurrency)), *server_flags(method)]
-        process, client = serve(checkpoint, context, flags, args.port, log)
+        process, client = serve(args, checkpoint, context, flags, log)
         model = client.models.list().data[0].id
         try:
 
@@ -186,8 +185,8 @@ def load(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[st
     full = {r["concurrency"]: r for r in rows if r["method"] == args.methods[0]}
     lines = [
         f"{checkpoint.parent.name}, {args.prompt_tokens}-token prompts, {args.max_tokens} new "
-        f"tokens, greedy, {args.requests} requests per client, eager, context {context}; ratios "
-        f"over {args.methods[0]} at the same concurrency",
+        f"tokens, greedy, {args.requests} requests per client, eager, {args.dtype}, "
+        f"context {context}; ratios over {args.methods[0]} at the same concurrency",
         "",
         "| method | concurrency | requests | req/s | tok/s | median latency s | peak RSS GB | "
         "tok/s ratio |",
@@ -234,7 +233,7 @@ def mixed(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[s
             flags = ["--max_batch_size", "8", "--batching", batching, *server_flags(method)]
             if args.prefill_chunk:
                 flags += ["--prefill_chunk", str(args.prefill_chunk)]
-            process, client = serve(checkpoint, context, flags, args.port, log)
+            process, client = serve(args, checkpoint, context, flags, log)
             model = client.models.list().data[0].id
 
             def ask(i: int) -> dict:
@@ -282,7 +281,7 @@ def mixed(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[s
         f"{checkpoint.parent.name}, {args.mixed_requests} streamed completions from 8 clients, "
         f"every 4th with a {args.prompt_tokens}-token prompt and the rest {args.short_tokens}, "
         f"answers of {args.answer_tokens[0]}-{args.answer_tokens[1]} tokens, greedy, batches of 8, "
-        f"eager, context {context}, {chunks}; ratios: "
+        f"eager, {args.dtype}, context {context}, {chunks}; ratios: "
         "continuous over static for the same method",
         "",
         "| method | batching | wall s | tok/s | short TTFT median s | long TTFT median s | "
@@ -313,7 +312,7 @@ def turns(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[s
     for method in args.methods:
         for keep in ("1", "0"):
             flags = ["--keep_conversations_gb", keep, *server_flags(method)]
-            process, client = serve(checkpoint, context, flags, args.port, log)
+            process, client = serve(args, checkpoint, context, flags, log)
             model = client.models.list().data[0].id
             try:
                 reply = client.chat.completions.create(
@@ -336,8 +335,8 @@ def turns(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[s
     fresh = {r["method"]: r for r in rows if not r["kept"]}
     lines = [
         f"{checkpoint.parent.name}, a chat's second turn after a {args.prompt_tokens}-token first "
-        f"message and a 16-token reply, streamed, greedy, eager, context {context}; ratio: over "
-        "the same turn prefilled whole",
+        f"message and a 16-token reply, streamed, greedy, eager, {args.dtype}, "
+        f"context {context}; ratio: over the same turn prefilled whole",
         "",
         "| method | conversation | second turn's TTFT s | prompt tokens reused | TTFT ratio |",
         "|---|---|---|---|---|",
@@ -388,6 +387,12 @@ def main() -> None:
         type=int,
         default=None,
         help="mixed: both servers' --prefill_chunk (default: serve.py's)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="every server's --dtype (default auto: float32 on a CPU)",
     )
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument(

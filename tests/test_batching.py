@@ -121,6 +121,19 @@ def test_sequences_that_join_and_leave_decode_what_they_decode_alone(name, layou
     assert settled(engine)["finished"] == 6
 
 
+def test_the_shared_full_cache_in_bfloat16_decodes_what_each_prompt_decodes_alone():
+    """bf16 (this CPU's faster dtype, bench_serve.py --dtype bfloat16): the packed decode rows
+    of a shared cache's sequences give each the tokens generate gives it alone."""
+    model = tiny_model().to(torch.bfloat16)
+    jobs = [Collect(p, 6 + 5 * i) for i, p in enumerate(prompts(6))]
+    engine = engine_for(model, "full", {}, max_batch_size=3)
+    for job in jobs:
+        engine.submit(job)
+    answers = [job.result() for job in jobs]
+    settled(engine)
+    assert answers == [alone(model, "full", {}, job.prompt_ids, job.max_tokens)[0] for job in jobs]
+
+
 def test_a_seeded_request_samples_the_same_answer_alone_or_beside_others():
     model = tiny_model()
     method, options = METHODS["specache"]
