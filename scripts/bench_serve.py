@@ -28,7 +28,12 @@ Reported: the short requests' median time to first token (the first text chunk),
 and generated tokens/s over the run's wall-clock; continuous over static in the ratio columns; and
 from the server's /health, how full its batch ran: the sequences a decode step advanced on average,
 and the share of the worker's busy time spent in passes that held a prompt chunk (a cost both
-batchings pay in full).
+batchings pay in full). With --repeats N, the pair runs N times in turn, each continuous run's
+ratios are over the static run just before it, and a second table gives their median and range:
+how full a static batch runs depends on when requests happen to arrive, so one pair's ratio varies
+from run to run.
+
+    python scripts/bench_serve.py --workload mixed --dtype bfloat16 --repeats 3
 
 `turns`: per method, a chat's first turn (a --prompt_tokens message, 16 tokens of reply) and then
 its second turn (the reply and a short question), streamed, on a server that keeps conversations
@@ -37,6 +42,7 @@ second turn's time to first token, and the prompt tokens the server reused.
 """
 
 import argparse
+import itertools
 import random
 import statistics
 import subprocess
@@ -226,54 +232,61 @@ def timed_stream(create, **request) -> tuple[Optional[float], int, int]:
 
 
 def mixed(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[str, dict]:
-    """Static against continuous batching on one workload of short and long prompts."""
+    """Static against continuous batching on one workload of short and long prompts, --repeats
+    times in turn (static, continuous, static, ...)."""
     rows = []
-    for method in args.methods:
-        for batching in ("static", "continuous"):
-            flags = ["--max_batch_size", "8", "--batching", batching, *server_flags(method)]
-            if args.prefill_chunk:
-                flags += ["--prefill_chunk", str(args.prefill_chunk)]
-            process, client = serve(args, checkpoint, context, flags, log)
-            model = client.models.list().data[0].id
+    for method, run, batching in itertools.product(
+        args.methods, range(1, args.repeats + 1), ("static", "continuous")
+    ):
+        flags = ["--max_batch_size", "8", "--batching", batching, *server_flags(method)]
+        if args.prefill_chunk:
+            flags += ["--prefill_chunk", str(args.prefill_chunk)]
+        process, client = serve(args, checkpoint, context, flags, log)
+        model = client.models.list().data[0].id
 
-            def ask(i: int) -> dict:
-                long = i % 4 == 0
-                size = args.prompt_tokens if long else args.short_tokens
-                prompt = prompt_text(tokenizer, size, 5000 + i)
-                ttft, tokens, _ = timed_stream(
-                    client.completions.create,
-                    model=model,
-                    prompt=prompt,
-                    max_tokens=random.Random(i).randint(*args.answer_tokens),
-                )
-                return dict(long=long, ttft=ttft, tokens=tokens)
-
-            try:
-                ask(1)  # warm-up
-                started = time.perf_counter()
-                with ThreadPoolExecutor(8) as pool:
-                    done = list(pool.map(ask, range(args.mixed_requests)))
-                wall = time.perf_counter() - started
-                health = httpx.get(f"http://127.0.0.1:{args.port}/health", timeout=10).json()
-            finally:
-                stop(process)
-            short = [d["ttft"] for d in done if not d["long"] and d["ttft"] is not None]
-            long = [d["ttft"] for d in done if d["long"] and d["ttft"] is not None]
-            rows.append(
-                dict(
-                    method=method,
-                    batching=batching,
-                    requests=len(done),
-                    wall_s=wall,
-                    tokens_per_s=sum(d["tokens"] for d in done) / wall,
-                    short_ttft_median_s=statistics.median(short),
-                    long_ttft_median_s=statistics.median(long),
-                    sequences_per_step=health["sequences_per_step_mean"],
-                    prompt_pass_share=health["prompt_pass_s"] / health["busy_s"],
-                )
+        def ask(i: int) -> dict:
+            long = i % 4 == 0
+            size = args.prompt_tokens if long else args.short_tokens
+            prompt = prompt_text(tokenizer, size, 5000 + i)
+            ttft, tokens, _ = timed_stream(
+                client.completions.create,
+                model=model,
+                prompt=prompt,
+                max_tokens=random.Random(i).randint(*args.answer_tokens),
             )
-            print(f"{method} {batching}: {rows[-1]}", file=sys.stderr, flush=True)
-    static = {r["method"]: r for r in rows if r["batching"] == "static"}
+            return dict(long=long, ttft=ttft, tokens=tokens)
+
+        try:
+            ask(1)  # warm-up
+            started = time.perf_counter()
+            with ThreadPoolExecutor(8) as pool:
+                done = list(pool.map(ask, range(args.mixed_requests)))
+            wall = time.perf_counter() - started
+            health = httpx.get(f"http://127.0.0.1:{args.port}/health", timeout=10).json()
+        finally:
+            stop(process)
+        short = [d["ttft"] for d in done if not d["long"] and d["ttft"] is not None]
+        long = [d["ttft"] for d in done if d["long"] and d["ttft"] is not None]
+        rows.append(
+            dict(
+                method=method,
+                run=run,
+                batching=batching,
+                requests=len(done),
+                wall_s=wall,
+                tokens_per_s=sum(d["tokens"] for d in done) / wall,
+                short_ttft_median_s=statistics.median(short),
+                long_ttft_median_s=statistics.median(long),
+                sequences_per_step=health["sequences_per_step_mean"],
+                prompt_pass_share=health["prompt_pass_s"] / health["busy_s"],
+            )
+        )
+        print(f"{method} {batching}: {rows[-1]}", file=sys.stderr, flush=True)
+    static = {(r["method"], r["run"]): r for r in rows if r["batching"] == "static"}
+    for r in rows:
+        base = static[r["method"], r["run"]]
+        r["tokens_per_s_ratio"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["short_ttft_ratio"] = r["short_ttft_median_s"] / base["short_ttft_median_s"]
     chunks = "serve.py's prefill chunks"
     if args.prefill_chunk:
         chunks = f"prefill chunks of {args.prefill_chunk}"
@@ -282,21 +295,37 @@ def mixed(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[s
         f"every 4th with a {args.prompt_tokens}-token prompt and the rest {args.short_tokens}, "
         f"answers of {args.answer_tokens[0]}-{args.answer_tokens[1]} tokens, greedy, batches of 8, "
         f"eager, {args.dtype}, context {context}, {chunks}; ratios: "
-        "continuous over static for the same method",
+        "continuous over static for the same method, in the same run",
         "",
-        "| method | batching | wall s | tok/s | short TTFT median s | long TTFT median s | "
+        "| method | run | batching | wall s | tok/s | short TTFT median s | long TTFT median s | "
         "tok/s ratio | short TTFT ratio | sequences per step | time in prompt passes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        base = static[r["method"]]
         lines.append(
-            f"| {r['method']} | {r['batching']} | {r['wall_s']:.1f} | {r['tokens_per_s']:.1f} | "
-            f"{r['short_ttft_median_s']:.2f} | {r['long_ttft_median_s']:.2f} | "
-            f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
-            f"{r['short_ttft_median_s'] / base['short_ttft_median_s']:.2f}x | "
-            f"{r['sequences_per_step']:.1f} | {r['prompt_pass_share']:.0%} |"
+            f"| {r['method']} | {r['run']} | {r['batching']} | {r['wall_s']:.1f} | "
+            f"{r['tokens_per_s']:.1f} | {r['short_ttft_median_s']:.2f} | "
+            f"{r['long_ttft_median_s']:.2f} | {r['tokens_per_s_ratio']:.2f}x | "
+            f"{r['short_ttft_ratio']:.2f}x | {r['sequences_per_step']:.1f} | "
+            f"{r['prompt_pass_share']:.0%} |"
         )
+    if args.repeats > 1:
+        lines += [
+            "",
+            "Continuous over static, over the runs (the static batch's fill varies from run to run "
+            "with when requests arrive):",
+            "",
+            "| method | tok/s ratio, median | lowest | highest | short TTFT ratio, median |",
+            "|---|---|---|---|---|",
+        ]
+        for method in args.methods:
+            ours = [r for r in rows if r["method"] == method and r["batching"] == "continuous"]
+            speed = [r["tokens_per_s_ratio"] for r in ours]
+            ttft = statistics.median(r["short_ttft_ratio"] for r in ours)
+            lines.append(
+                f"| {method} | {statistics.median(speed):.2f}x | {min(speed):.2f}x | "
+                f"{max(speed):.2f}x | {ttft:.2f}x |"
+            )
     return "\n".join(lines), dict(rows=rows)
 
 
@@ -381,6 +410,12 @@ def main() -> None:
         default=[16, 128],
         metavar=("MIN", "MAX"),
         help="mixed: each request's max_tokens, drawn between these (default 16 128)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="mixed: runs of static and continuous batching, in turn (default 1)",
     )
     parser.add_argument(
         "--prefill_chunk",

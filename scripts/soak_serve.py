@@ -7,8 +7,8 @@ then checks that nothing was lost, wrong or left behind.
 Per method (`full`, `specache-1bit`, `specache-1bit-disk`: SpeCache with its slow tier on disk), one
 server (continuous batching, batches of 8, conversations kept up to --keep_gb) and the official
 `openai` client. Warm-up waves of 48 requests at concurrency 16 fill the pools and the kept
-conversations' budget; then the run sends --requests requests in waves, each wave at a concurrency
-drawn from 1-16. Each request is one of:
+conversations' budget (to 90%, or until their count stops changing); then the run sends --requests
+requests in waves, each wave at a concurrency drawn from 1-16. Each request is one of:
 - a chat or a completion, streamed or not, on one of 12 prompts whose greedy answers are known
   (generate.py's, computed here with the same cache);
 - a second turn of an earlier chat (its messages, the reply as sent, a new question): answered,
@@ -206,10 +206,13 @@ def soak(checkpoint: Path, method: str, requests: int, keep_gb: float, port: int
     started = time.time()
     try:
         kept = -1
-        for _ in range(4):  # warm-up: until the kept conversations fill their budget
+        # warm-up: until the kept conversations fill their budget (a full-cache conversation costs
+        # the tokens it holds, so many fit: their count goes on rising for several waves)
+        for _ in range(12):
             run.wave(48, 16)
             health = idle(url)
-            if health["kept_conversations"] == kept:
+            full = health["kept_conversations_bytes"] >= 0.9 * keep_gb * 1e9
+            if full or health["kept_conversations"] == kept:
                 break
             kept = health["kept_conversations"]
         warm_rss, warm_threads = process_figures(process.pid)
