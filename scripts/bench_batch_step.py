@@ -7,7 +7,7 @@ one cache set up for the whole batch by generate.
 
 Per method and batch size B: B prompts of --context tokens (random ids, greedy) go to an engine
 (batching.Engine, eager, --dtype, batches of B, prompt chunks of 256), and once all B decode, the
-mean time of --steps of its decode passes (from its /health figures) is reported; then the same B
+median time between --steps of its decode passes (a job's tokens) is reported; then the same B
 prompts decode in one cache of batch B (generation.generate), the median time between its steps.
 Ratios: over the engine's step of one sequence. This curve bounds what continuous batching can
 gain over static batching on a machine: what a step costs per sequence as the batch fills.
@@ -38,12 +38,13 @@ class Endless:
     def __init__(self, prompt: list[int]):
         self.prompt_ids, self.max_tokens, self.keep = prompt, 1 << 30, False
         self.sampling = (0.0, None, None)  # greedy
-        self.finished, self.error, self.tokens = False, None, 0
+        self.finished, self.error = False, None
+        self.fed: list[float] = []  # when each token came: one per pass of the engine
         self.started = threading.Event()
         self.stats_source = dict
 
     def feed(self, token: int) -> None:
-        self.tokens += 1
+        self.fed.append(time.perf_counter())
         self.started.set()
 
     def finish(self, reason: str) -> None:
@@ -55,7 +56,8 @@ class Endless:
 
 
 def engine_step_seconds(model, method: str, prompts: list[list[int]], capacity: int, steps: int):
-    """The mean seconds of an engine's decode pass once every prompt decodes."""
+    """The median seconds of an engine's decode pass once every prompt decodes (between the first
+    job's tokens, as `one_cache_step_seconds` times generate's steps)."""
     engine = Engine(
         model,
         lambda n: make_cache(method, model, n, capacity),
@@ -72,16 +74,15 @@ def engine_step_seconds(model, method: str, prompts: list[list[int]], capacity: 
             job.started.wait()
             if job.error:
                 raise SystemExit(f"{method}: {job.error}")
-        before = engine.health()
-        while engine.health()["decode_steps"] < before["decode_steps"] + steps:
+        first = len(jobs[0].fed)  # every prompt is in: the passes from here on are decode steps
+        while len(jobs[0].fed) < first + steps + 1:
             time.sleep(0.05)
-        after = engine.health()
     finally:
         for job in jobs:
             job.finished = True
         engine.close()
-    passes = after["decode_steps"] - before["decode_steps"]
-    return (after["busy_s"] - before["busy_s"]) / passes
+    fed = jobs[0].fed[first:]
+    return statistics.median(b - a for a, b in zip(fed, fed[1:]))
 
 
 def one_cache_step_seconds(model, method: str, prompts: list[list[int]], capacity: int, steps: int):
