@@ -562,7 +562,8 @@ class Engine:
                 slot.ids = ids
                 self.kept.keep(slot)
             else:
-                self.kept.keep(SavedRow.of(slot, ids))
+                if self.kept.budget > 0:  # no copy where none is kept
+                    self.kept.keep(SavedRow.of(slot, ids))
                 self._release(slot)
         else:
             self._release(slot)
