@@ -46,14 +46,17 @@ def decode_on_rows(
     K, V are written there, then every row of the cache attends: the n sequences' at their
     positions, the others (free, or a joining sequence's) at position 0, a query of zeros whose
     output is dropped, and what those rows hold is not touched. The output (1, H, n, D)."""
-    pos = input_pos[0]
-    shared.k_cache[at, :, pos] = k[0].transpose(0, 1).to(shared.k_cache.dtype)
-    shared.v_cache[at, :, pos] = v[0].transpose(0, 1).to(shared.v_cache.dtype)
+
+    def per_sequence(x: Tensor) -> Tensor:  # (1, H, n, D) -> (n, H, 1, D): a batch of one row each
+        return x[0].transpose(0, 1).unsqueeze(2)
+
+    pos = input_pos.transpose(0, 1)  # (n, 1)
+    shared.update(pos, per_sequence(k), per_sequence(v), rows=at)
     rows = shared.k_cache.shape[0]
     queries = q.new_zeros(rows, q.shape[1], 1, q.shape[3])
-    queries[at] = q[0].transpose(0, 1).unsqueeze(2)
+    queries[at] = per_sequence(q)
     positions = pos.new_zeros(rows, 1)
-    positions[at, 0] = pos
+    positions[at] = pos
     out = shared.attend(queries, positions, None)
     return out[at, :, 0].transpose(0, 1).unsqueeze(0)
 

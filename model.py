@@ -139,9 +139,14 @@ class KVCache(nn.Module):
             "v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False
         )
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
-        """Write k, v (B, Hkv, S, D) at per-sequence positions input_pos (B, S)."""
-        batch = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
+    def update(
+        self, input_pos: Tensor, k: Tensor, v: Tensor, rows: Optional[Tensor] = None
+    ) -> None:
+        """Write k, v (B, Hkv, S, D) at per-sequence positions input_pos (B, S), sequence b on row
+        rows[b] of the cache (default: row b)."""
+        if rows is None:
+            rows = torch.arange(k.shape[0], device=k.device)
+        batch = rows.unsqueeze(1)
         self.k_cache[batch, :, input_pos] = k.transpose(1, 2).to(self.k_cache.dtype)
         self.v_cache[batch, :, input_pos] = v.transpose(1, 2).to(self.v_cache.dtype)
 
