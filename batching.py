@@ -8,11 +8,13 @@ running answers one slower turn, not a pause (chunked prefill beside decode, as 
 vLLM schedule it). In each layer, `Packed` hands each sequence's run of rows to its cache with its
 own mask.
 
-Where do the caches live? The full cache is one cache set up for `max_batch_size` sequences, shared
-by the sequences a row each (caches.FullCache.row): a decode step then attends in one call per
-layer for every decoding sequence (`decode_on_rows`), where a cache per sequence would take one
-call per sequence and layer. Other caches (SpeCache, whose tiers and selection state are set up
-per generation; a model with sliding-window rings) give each sequence a cache of its own.
+Where do the caches live? The full cache, and SpeCache with its slow tier in a CPU's RAM, are one
+cache set up for `max_batch_size` sequences, shared by the sequences a row each (`shares_rows`):
+a pass's decode steps then attend in one call per layer for every decoding sequence (the cache's
+`decode_steps`: caches.decode_on_rows, specache.py's "rows"), where a cache per sequence would
+take one call per sequence and layer; a prompt chunk goes to its sequence's row (the cache's
+`row`). Other caches (SpeCache's disk tier, or beside a GPU; eviction; a model with
+sliding-window rings) give each sequence a cache of its own.
 
 A sequence leaves as soon as its answer is complete. Its cache (or row) then serves the next one,
 or, when the request allows it, goes into the kept conversations (`KeptConversations`; a row is
@@ -35,62 +37,34 @@ import torch.nn as nn
 from torch import Tensor
 
 from generation import prefill_rows, sample
-from model import KVCache, Mask, Transformer
-
-
-def decode_on_rows(
-    shared: KVCache, at: Tensor, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor
-) -> Tensor:
-    """One layer's decode step of several sequences in one attention call: q, k, v (1, H, n, D) at
-    positions (1, n) are n sequences' rows, the i-th on row at[i] of the `shared` cache. Each row's
-    K, V are written there, then every row of the cache attends: the n sequences' at their
-    positions, the others (free, or a joining sequence's) at position 0, a query of zeros whose
-    output is dropped, and what those rows hold is not touched. The output (1, H, n, D)."""
-
-    def per_sequence(x: Tensor) -> Tensor:  # (1, H, n, D) -> (n, H, 1, D): a batch of one row each
-        return x[0].transpose(0, 1).unsqueeze(2)
-
-    pos = input_pos.transpose(0, 1)  # (n, 1)
-    shared.update(pos, per_sequence(k), per_sequence(v), rows=at)
-    rows = shared.k_cache.shape[0]
-    queries = q.new_zeros(rows, q.shape[1], 1, q.shape[3])
-    queries[at] = per_sequence(q)
-    positions = pos.new_zeros(rows, 1)
-    positions[at] = pos
-    out = shared.attend(queries, positions, None)
-    return out[at, :, 0].transpose(0, 1).unsqueeze(0)
+from model import Mask, Transformer
 
 
 class Packed(nn.Module):
     """One layer's attention over several sequences' rows in one pass: the pass's rows (1, N) are
-    the sequences' rows one after another. With `shared` (a shared cache's layer, and the rows of
-    the sequences whose decode steps come first in the pass, one row each), those go to
-    `decode_on_rows` together. Then the i-th run of `rows[i]` goes to `members[i]` (that
-    sequence's cache module) with `masks[i]`: None for a decode step's rows, a CausalPrompt for a
-    prompt chunk's. The mask the model passes is not read."""
+    the sequences' rows one after another. With `decode` (a shared cache's attention of the decode
+    steps that come first in the pass, and how many rows they take: its `decode_steps`), those go
+    to it together. Then the i-th run of `rows[i]` goes to `members[i]` (that sequence's cache
+    module) with `masks[i]`: None for a decode step's rows, a CausalPrompt for a prompt chunk's.
+    The mask the model passes is not read."""
 
     def __init__(
         self,
         members: list[nn.Module],
         rows: list[int],
         masks: list[Mask],
-        shared: Optional[tuple[KVCache, Tensor]] = None,
+        decode: Optional[tuple[Callable[..., Tensor], int]] = None,
     ):
         super().__init__()
         self.members = members  # a plain list: the modules belong to their caches, not to this
-        self.rows, self.masks, self.shared = rows, masks, shared
+        self.rows, self.masks, self.decode = rows, masks, decode
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask: Mask) -> Tensor:
         out, first = [], 0
-        if self.shared is not None:
-            layer, at = self.shared
-            first = len(at)
+        if self.decode is not None:
+            attend, first = self.decode
             part = slice(0, first)
-            out.append(
-                decode_on_rows(
-                    layer, at, q[:, :, part], k[:, :, part], v[:, :, part], input_pos[:, part]
-                )
-            )
+            out.append(attend(q[:, :, part], k[:, :, part], v[:, :, part], input_pos[:, part]))
         for member, n, own in zip(self.members, self.rows, self.masks):
             part = slice(first, first + n)
             out.append(member(q[:, :, part], k[:, :, part], v[:, :, part], input_pos[:, part], own))
@@ -127,26 +101,14 @@ class Slot:
 @dataclass
 class SavedRow:
     """A finished conversation's row of the shared cache, copied out so that the row serves the
-    next sequence: every layer's K and V up to len(ids) positions. They go back into a free row when
-    the conversation goes on, and cost what they hold, not a row's capacity."""
+    next sequence (the cache's `save_row`: what it holds of len(ids) tokens). It goes back into a
+    free row when the conversation goes on, and costs what it holds, not a row's capacity."""
 
     ids: list[int]
-    k: list[Tensor]
-    v: list[Tensor]
-
-    @classmethod
-    def of(cls, slot: Slot, ids: list[int]) -> "SavedRow":
-        n = len(ids)
-        k = [module.k_cache[:, :, :n].clone() for module in slot.modules]
-        return cls(ids, k, [module.v_cache[:, :, :n].clone() for module in slot.modules])
-
-    def restore(self, slot: Slot) -> None:
-        for module, k, v in zip(slot.modules, self.k, self.v):
-            module.k_cache[:, :, : k.shape[2]] = k
-            module.v_cache[:, :, : v.shape[2]] = v
+    saved: list[Tensor]
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in [*self.k, *self.v])
+        return sum(t.nbytes for t in self.saved)
 
 
 Kept = Union[Slot, SavedRow]
@@ -250,7 +212,8 @@ class Engine:
         if getattr(probe.cache, "shares_rows", False):
             self.shared = make_cache(max_batch_size)
             self.free = [
-                Slot(self.shared, self.shared.row(r), row=r) for r in range(max_batch_size)
+                Slot(self.shared.row_cache(r), self.shared.row(r), row=r)
+                for r in range(max_batch_size)
             ]
         else:
             self.free.append(probe)
@@ -338,7 +301,7 @@ class Engine:
         else:  # a free row is there: rows are as many as sequences may run
             slot = self.free.pop() if self.free else self._new_slot()
             if kept is not None:
-                kept.restore(slot)
+                self.shared.restore_row(slot.row, kept.saved)
         device = self.model.tok_embeddings.weight.device
         seed = job.sampling[2]
         generator = None
@@ -455,19 +418,20 @@ class Engine:
                     outputs.append(at + n - 1)
                 at += n
             members = [seq.slot.modules for seq in [*decoding, *prefilling]]
-            if len(members) == 1:
-                plug(self.model, members[0])
-                mask = masks[0]
-            elif self.shared is not None and decoding:  # the decode steps in one call per layer
-                at = torch.tensor([seq.slot.row for seq in decoding], device=device)
+            if self.shared is not None and decoding:  # the decode steps in one call per layer
                 first = len(decoding)
-                per_layer = zip(self.shared.layers, *members[first:])
+                steps = self.shared.decode_steps([seq.slot.row for seq in decoding])
+                decoded = sum(rows[:first])
+                per_layer = zip(steps, *members[first:])
                 chunks = [
-                    Packed(list(joining), rows[first:], masks[first:], (layer, at))
-                    for layer, *joining in per_layer
+                    Packed(list(joining), rows[first:], masks[first:], (attend, decoded))
+                    for attend, *joining in per_layer
                 ]
                 plug(self.model, chunks)
                 mask = None
+            elif len(members) == 1:
+                plug(self.model, members[0])
+                mask = masks[0]
             else:
                 plug(self.model, [Packed(list(m), rows, masks) for m in zip(*members)])
                 mask = None
@@ -566,7 +530,7 @@ class Engine:
                 self.kept.keep(slot)
             else:
                 if self.kept.budget > 0:  # no copy where none is kept
-                    self.kept.keep(SavedRow.of(slot, ids))
+                    self.kept.keep(SavedRow(ids, self.shared.save_row(slot.row, len(ids))))
                 self._release(slot)
         else:
             self._release(slot)

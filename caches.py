@@ -35,7 +35,7 @@ diagnostics, not a method (specache_stats.py).
 import re
 from dataclasses import replace
 from functools import partial
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -140,6 +140,29 @@ class KernelKVCache(KVCache):
         return dense_cpu.dense_decode_attention(q.float(), k_all, v_all, input_pos).to(q.dtype)
 
 
+def decode_on_rows(
+    shared: KVCache, at: Tensor, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor
+) -> Tensor:
+    """One layer's decode step of several sequences in one attention call: q, k, v (1, H, n, D) at
+    positions (1, n) are n sequences' rows, the i-th on row at[i] of the `shared` cache. Each row's
+    K, V are written there, then every row of the cache attends: the n sequences' at their
+    positions, the others (free, or a joining sequence's) at position 0, a query of zeros whose
+    output is dropped, and what those rows hold is not touched. The output (1, H, n, D)."""
+
+    def per_sequence(x: Tensor) -> Tensor:  # (1, H, n, D) -> (n, H, 1, D): a batch of one row each
+        return x[0].transpose(0, 1).unsqueeze(2)
+
+    pos = input_pos.transpose(0, 1)  # (n, 1)
+    shared.update(pos, per_sequence(k), per_sequence(v), rows=at)
+    rows = shared.k_cache.shape[0]
+    queries = q.new_zeros(rows, q.shape[1], 1, q.shape[3])
+    queries[at] = per_sequence(q)
+    positions = pos.new_zeros(rows, 1)
+    positions[at] = pos
+    out = shared.attend(queries, positions, None)
+    return out[at, :, 0].transpose(0, 1).unsqueeze(0)
+
+
 class FullCache:
     """The full cache of model.py (a ring for sliding-window layers), K and V in the model's dtype
     or, with `sixteen_bit`, in 16 bits (float16 beside a float32 model, as SpeCache's pairs). On a
@@ -175,10 +198,33 @@ class FullCache:
             create_causal_block_mask(model.max_seq_length, device) if use_flex else None
         )
 
+    # --- rows: sequences that come and go share this cache, a row each (serve.py's engine) ---
+
     def row(self, index: int) -> list[KVCache]:
         """Row `index` of every layer's cache, as caches of their own (views: see KVCache.row), to
-        plug into the model for the sequence on that row."""
+        plug into the model for the prompt chunks of the sequence on that row."""
         return [layer.row(index) for layer in self.layers]
+
+    def row_cache(self, index: int) -> "FullCache":
+        """The cache methods of the sequence on row `index`: this cache's (they are per-batch)."""
+        return self
+
+    def decode_steps(self, rows: list[int]) -> list[Callable[..., Tensor]]:
+        """For each layer, the attention of one pass's decode steps of the sequences on `rows`
+        (their rows first in the pass, one each): `decode_on_rows`."""
+        at = torch.tensor(rows, device=self.layers[0].k_cache.device)
+        return [partial(decode_on_rows, layer, at) for layer in self.layers]
+
+    def save_row(self, index: int, n: int) -> list[Tensor]:
+        """Every layer's K and V of row `index` up to position n, copied out."""
+        buffers = [x for layer in self.layers for x in (layer.k_cache, layer.v_cache)]
+        return [x[index, :, :n].clone() for x in buffers]
+
+    def restore_row(self, index: int, saved: list[Tensor]) -> None:
+        """`save_row`'s copy into row `index`."""
+        buffers = [x for layer in self.layers for x in (layer.k_cache, layer.v_cache)]
+        for buffer, part in zip(buffers, saved):
+            buffer[index, :, : part.shape[1]] = part
 
     def begin(self, tokens: Tensor, lengths: Tensor, held: int = 0) -> None:
         pass  # prefill overwrites every position a generation reads, from `held` on
@@ -314,6 +360,19 @@ class PluggedSpeCache(SpeCache):
         # over at graph breaks around each layer.
         self.whole_step = device.type == "cpu" and slow_tier == "ram"
         self.graph_breaks = not self.whole_step
+        # sequences that come and go may share this cache, a row each (specache.py's "rows"),
+        # where its slow tier is a CPU's RAM, every layer is SpeCache's, and nothing watches
+        self.shares_rows = self.whole_step and not self.rings and probe is None
+
+    def row_cache(self, index: int) -> "SpeCacheRow":
+        """The cache methods of the sequence on row `index`."""
+        return SpeCacheRow(self, index)
+
+    def decode_steps(self, rows: list[int]) -> list[Callable[..., Tensor]]:
+        """For each layer, the attention of one pass's decode steps of the sequences on `rows`
+        (their rows first in the pass, in this order): `step_on_rows`."""
+        self.move_rows(rows)
+        return [layer.step_on_rows for layer in self.layers]
 
     def begin(self, tokens: Tensor, lengths: Tensor, held: int = 0) -> None:
         if held and self.folder is not None and self.folder.path is None:
@@ -353,6 +412,37 @@ class PluggedSpeCache(SpeCache):
 
     def stats(self, steps: int) -> dict:
         return cache_stats(self, steps)
+
+
+class SpeCacheRow:
+    """A cache's methods (as the module docstring lists them) for the sequence on row `index` of a
+    PluggedSpeCache that sequences share a row each: specache.py's row methods."""
+
+    chunks = True
+
+    def __init__(self, cache: PluggedSpeCache, index: int):
+        self.cache, self.index = cache, index
+
+    def begin(self, tokens: Tensor, lengths: Tensor, held: int = 0) -> None:
+        self.cache.begin_row(self.index, tokens[:, : int(lengths[0])], held)
+
+    def bootstrap(self, model: Transformer, first: Tensor, pos: Tensor) -> None:
+        self.cache.bootstrap_row(self.index, model, first, pos)
+
+    def step_rows(self, token: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        return self.cache.step_rows_of(self.index, token, pos)
+
+    def stepped(self, logits: Tensor) -> Tensor:
+        return self.cache.stepped_row(self.index, logits)
+
+    def sampled(self, token: Tensor) -> None:
+        self.cache.sampled_row(self.index, token)
+
+    def finish(self, keep: bool = False) -> None:
+        pass  # in a CPU's RAM, nothing moves in the background
+
+    def stats(self, steps: int) -> dict:
+        return cache_stats(self.cache, steps, row=self.index)
 
 
 # --- by name ---------------------------------------------------------------------------------

@@ -270,7 +270,8 @@ class TierSpec(NamedTuple):
     slots: Optional[PrefetchSlots]  # None: the layer prefetches nothing
     reuse: bool  # a read need not read again what the previous read of its kind held
     overlap: bool  # Placement.overlap_fetch
-    # where each sequence's next real row goes: next_position() on the device, held() on the host
+    # where each sequence's next real row goes (next_position() on the device, held() on the host),
+    # and the rows a step moves (moved())
     state: "SpeCacheState"
 
 
@@ -1314,10 +1315,10 @@ class RamTier:
             slots.pos[:, :, slots.where] = kappa.pos
             slots.valid[:, :, slots.where] = kappa.valid
         if new_k is not None:
-            batch = torch.arange(new_k.shape[0], device=new_k.device)
-            positions = self.spec.state.next_position()
-            self.k[batch, :, positions] = new_k
-            self.v[batch, :, positions] = new_v
+            rows = self.spec.state.moved()
+            positions = self.spec.state.next_position()[rows]
+            self.k[rows, :, positions] = new_k[rows]
+            self.v[rows, :, positions] = new_v[rows]
 
     def keys(self) -> Tensor:
         return self.k
@@ -1673,6 +1674,13 @@ class SpeCacheState:
         self.host_quantized_len = [0] * batch_size
         self.host_window_len = [0] * batch_size
         self.phase = PREFILL
+        # Rows of one cache for sequences that come and go (a server's continuous batching, "rows"
+        # below): each row's own phase, and the rows the next step moves (None: all). The others
+        # hold nothing as the step sees them (lengths 0 on the device), and it writes nothing there.
+        self.row_phase = [PREFILL] * batch_size
+        self.rows: Optional[list[int]] = None
+        self.rows_index: Optional[Tensor] = None  # the same, on the device
+        self.stepping = torch.ones(batch_size, dtype=torch.long, device=device)  # 1 at those rows
 
     def split(self, n: int) -> tuple[int, int]:
         """(Lq, r) of a sequence that holds n tokens: whole groups of all but the newest R are
@@ -1684,6 +1692,7 @@ class SpeCacheState:
         """Sequence b will hold lengths[b] tokens once its prompt is in."""
         self.host_quantized_len, self.host_window_len = map(list, zip(*map(self.split, lengths)))
         self.phase = PREFILL
+        self.rows = self.rows_index = None
         self.sync()
 
     def held(self) -> list[int]:
@@ -1695,14 +1704,31 @@ class SpeCacheState:
         return self.quantized_len + self.window_len
 
     def sync(self) -> None:
-        """The device copies of the host's lengths (pinned and asynchronous on a GPU)."""
+        """The device copies of the host's lengths (pinned and asynchronous on a GPU); a row the
+        next step does not move holds nothing there."""
+        moved = [self.rows is None or b in self.rows for b in range(len(self.host_window_len))]
         for device_copy, values in (
             (self.quantized_len, self.host_quantized_len),
             (self.window_len, self.host_window_len),
             (self.selectable_len, self.host_selectable_len()),
+            (self.stepping, [1] * len(moved)),
         ):
+            values = [x if row_moves else 0 for x, row_moves in zip(values, moved)]
             host = torch.tensor(values, pin_memory=device_copy.is_cuda)
             device_copy.copy_(host, non_blocking=device_copy.is_cuda)
+
+    def moved(self) -> Tensor:
+        """The rows a step moves: all, or those of a pass of some rows."""
+        if self.rows_index is None:
+            return torch.arange(len(self.host_window_len), device=self.window_len.device)
+        return self.rows_index
+
+    def write_moved(self, buffer: Tensor, new: Tensor) -> None:
+        """A step's new value of a per-row buffer, kept at the rows it moved."""
+        if self.rows_index is None:
+            buffer.copy_(new)
+        else:
+            buffer[self.rows_index] = new[self.rows_index].to(buffer.dtype)
 
     def host_selectable_len(self) -> list[int]:
         """Lq, or Lq + g when the next kept row fills the window and its oldest group gets
@@ -1783,9 +1809,11 @@ class SpeCacheLayer(nn.Module):
         fast("kappa_valid", b, n_kv_heads, self.k_spec, dtype=torch.bool)
         if self.correcting:  # the last row's queries, which chose the prefetch the next step reads
             fast("last_query", b, n_heads, head_dim, dtype=torch.float32)
-        fast("pairs_read", dtype=torch.long)  # pairs read from the slow tier, this generation
-        fast("heads_discarded", dtype=torch.long)  # correct: KV heads whose prefetch was discarded
-        fast("heads_checked", dtype=torch.long)
+        # per sequence, this generation: pairs read from the slow tier; correct: the KV heads whose
+        # prefetch was discarded, of those checked
+        fast("pairs_read", b, dtype=torch.long)
+        fast("heads_discarded", b, dtype=torch.long)
+        fast("heads_checked", b, dtype=torch.long)
         self.fetched_pos[:, :, : self.n_sinks] = torch.arange(self.n_sinks, device=device)
         self.fetched_valid[:, :, : self.n_sinks] = True  # counted while quantized (below Lq)
         prefetch = None
@@ -1803,15 +1831,17 @@ class SpeCacheLayer(nn.Module):
         )
         self.tier = make_tier(spec)
 
-    def reset(self) -> None:
-        """A generation starts: nothing fetched, chosen or counted yet."""
-        self.fetched_valid[:, :, self.n_sinks :] = False
-        self.kappa_valid.zero_()
+    def reset(self, rows: Optional[list[int]] = None) -> None:
+        """A generation starts (in `rows` only: see "rows"): nothing fetched, chosen or counted
+        yet."""
+        self.tier.reset()  # first: a prefetch in flight lands before the slots are cleared
+        rows = slice(None) if rows is None else rows
+        self.fetched_valid[rows, :, self.n_sinks :] = False
+        self.kappa_valid[rows] = False
         for count in (self.pairs_read, self.heads_discarded, self.heads_checked):
-            count.zero_()
+            count[rows] = 0
         if self.correcting:
-            self.last_query.zero_()
-        self.tier.reset()
+            self.last_query[rows] = 0
 
     # --- the low-bit copy and the window -------------------------------------------------------
 
@@ -1837,19 +1867,22 @@ class SpeCacheLayer(nn.Module):
         self.fetched_k[b, :, start : start + sinks] = k[:, :sinks].to(self.fetched_k.dtype)
         self.fetched_v[b, :, start : start + sinks] = v[:, :sinks].to(self.fetched_v.dtype)
 
-    def ingest_prompt(self, k: Tensor, v: Tensor, start: int = 0) -> None:
+    def ingest_prompt(
+        self, k: Tensor, v: Tensor, start: int = 0, rows: Optional[list[int]] = None
+    ) -> None:
         """After the prompt's attention: its rows k, v (B, Hkv, S, D) at positions [start, start
         + S), up to each prompt's end (as `SpeCache.begin` set it), join the window, whose whole
         groups beyond the newest R are quantized, and go to the slow tier: in one piece or in
-        chunks, the same groups."""
+        chunks, the same groups. `rows`: the cache rows of k's sequences (default: all)."""
         # quantized from the 16-bit pairs, as flushes are
         k, v = k.to(self.window_k.dtype), v.to(self.window_v.dtype)
-        for b, total in enumerate(self.state.held()):
-            end = min(total, start + k.shape[2])
+        held = self.state.held()
+        for i, b in enumerate(range(len(held)) if rows is None else rows):
+            end = min(held[b], start + k.shape[2])
             if end <= start:
                 continue  # right padding only, in this chunk
             (lq0, r0), (lq1, r1) = self.state.split(start), self.state.split(end)
-            rows_k, rows_v = k[b, :, : end - start], v[b, :, : end - start]
+            rows_k, rows_v = k[i, :, : end - start], v[i, :, : end - start]
             pending_k = torch.cat([self.window_k[b, :, :r0], rows_k], 1)  # positions [lq0, end)
             pending_v = torch.cat([self.window_v[b, :, :r0], rows_v], 1)
             if lq1 > lq0:
@@ -1858,17 +1891,20 @@ class SpeCacheLayer(nn.Module):
             self.window_v[b, :, :r1] = pending_v[:, lq1 - lq0 :]
             self.tier.write(b, start, rows_k, rows_v)
 
-    def history_blocks(self, start: int, block: int):
+    def history_blocks(self, start: int, block: int, rows: Optional[list[int]] = None):
         """The pairs of positions [0, start) as (K, V) blocks (B, Hkv, <= block, D), in order:
         exact, from the slow tier; with nothing to fetch (KIVI), as its decode steps read them:
-        the low-bit copy below Lq, but the sinks."""
+        the low-bit copy below Lq, but the sinks. `rows`: those rows' only."""
         lq = self.state.split(start)[0] if self.config.method.topk == 0 else 0
+        rows = slice(None) if rows is None else rows
         for first in range(0, start, block):
             k, v = self.tier.read_range(first, min(start, first + block))
+            k, v = k[rows], v[rows]
             # whole groups: block is a multiple of g
             low, sinks = min(lq, first + block) - first, max(0, self.n_sinks - first)
             if low > sinks:
                 low_k, low_v = self.lowbit().dequantized(first, first + low)
+                low_k, low_v = low_k[rows], low_v[rows]
                 # a copy, never the tier's own storage
                 k, v = k.to(torch.float32, copy=True), v.to(torch.float32, copy=True)
                 k[:, :, sinks:low], v[:, :, sinks:low] = low_k[:, :, sinks:], low_v[:, :, sinks:]
@@ -1894,18 +1930,20 @@ class SpeCacheLayer(nn.Module):
         self.tier.before_step()
         return self.step(q, k, v, keep=self.state.phase == DECODE)
 
-    def prefill(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
-        """A prompt's rows from position `start` (every sequence's, right-padded): full precision,
-        over the history as the slow tier holds it (prefill is bound by compute); then they join
-        the cache."""
+    def prefill(
+        self, q: Tensor, k: Tensor, v: Tensor, start: int, rows: Optional[list[int]] = None
+    ) -> Tensor:
+        """A prompt's rows from position `start` (every sequence's, right-padded; or those on
+        `rows`): full precision, over the history as the slow tier holds it (prefill is bound by
+        compute); then they join the cache."""
         if start == 0:
             y = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
             )
         else:
             block = history_block(*q.shape, self.config.method.group)
-            y = attention_after_history(q, k, v, self.history_blocks(start, block))
-        self.ingest_prompt(k, v, start)
+            y = attention_after_history(q, k, v, self.history_blocks(start, block, rows))
+        self.ingest_prompt(k, v, start, rows)
         return y
 
     def step(self, q: Tensor, k: Tensor, v: Tensor, keep: bool) -> Tensor:
@@ -1920,7 +1958,7 @@ class SpeCacheLayer(nn.Module):
         else:
             out, kappa = self.step_in_parts(rows, k, v, keep, discard)
         if self.correcting:
-            self.last_query.copy_(q[:, :, -1])
+            self.state.write_moved(self.last_query, q[:, :, -1])
         new_k = new_v = None
         if keep:
             new_k, new_v = self.append_real_row(k[:, :, 0], v[:, :, 0])
@@ -1962,8 +2000,8 @@ class SpeCacheLayer(nn.Module):
             (self.fetched_k, self.fetched_v, self.fetched_pos, self.fetched_valid),
             (fetched_k, fetched_v, fetched_pos, fetched_valid),
         ):
-            buffer.copy_(new)
-        self.pairs_read += read.sum()
+            self.state.write_moved(buffer, new)
+        self.pairs_read += read.sum(-1) * self.state.stepping
         if self.k_spec:
             self.choose_prefetch(kappa_pos, kappa_valid)
         return out, None
@@ -2001,8 +2039,8 @@ class SpeCacheLayer(nn.Module):
         prefetch."""
         threshold = self.config.selection.correct_below
         discard = queries_disagree(q[:, :, 0], self.last_query, self.fetched_k.shape[1], threshold)
-        self.heads_discarded += discard.sum()
-        self.heads_checked += discard.numel()
+        self.heads_discarded += discard.sum(-1) * self.state.stepping
+        self.heads_checked += discard.shape[-1] * self.state.stepping
         return discard
 
     def pick_within_step(
@@ -2035,7 +2073,7 @@ class SpeCacheLayer(nn.Module):
         if sel.shortlist:  # the listed pairs read at once
             valid = shortlist_listed(valid, sel.shortlist, placed)
             listed_k, listed_v = self.tier.read(picks, valid)
-            self.pairs_read += valid.sum()
+            self.pairs_read += valid.sum((1, 2)) * self.state.stepping
             chosen, valid = rank_shortlist(
                 rows, part, merged, s, sel.gqa, listed_k, valid, self.picks
             )
@@ -2045,11 +2083,13 @@ class SpeCacheLayer(nn.Module):
         else:
             valid = valid & placed
             pairs = self.tier.read(picks, valid)
-            self.pairs_read += valid.sum()
+            self.pairs_read += valid.sum((1, 2)) * self.state.stepping
         part, seg = take_picks(part, self.lowbit(), seg, picks, valid, *pairs, first)
-        self.fetched_k.copy_(seg.fetched_k)
-        self.fetched_v.copy_(seg.fetched_v)
-        self.fetched_pos.copy_(seg.fetched_pos)
+        for buffer, new in zip(
+            (self.fetched_k, self.fetched_v, self.fetched_pos),
+            (seg.fetched_k, seg.fetched_v, seg.fetched_pos),
+        ):
+            self.state.write_moved(buffer, new)
         return part, seg
 
     def choose_prefetch(self, kappa_pos: Tensor, kappa_valid: Tensor) -> Kappa:
@@ -2059,19 +2099,38 @@ class SpeCacheLayer(nn.Module):
         new = kappa_valid
         if self.config.selection.reuse:
             new = new & ~held_match(kappa_pos, kappa_valid, self.kappa_pos, self.kappa_valid)[0]
-        self.pairs_read += new.sum()
-        self.kappa_pos.copy_(kappa_pos)
-        self.kappa_valid.copy_(kappa_valid)
+        self.pairs_read += new.sum((1, 2)) * self.state.stepping
+        self.state.write_moved(self.kappa_pos, kappa_pos)
+        self.state.write_moved(self.kappa_valid, kappa_valid)
         return Kappa(self.kappa_pos, self.kappa_valid)
 
     def append_real_row(self, new_k: Tensor, new_v: Tensor) -> tuple[Tensor, Tensor]:
         """The real row's K, V (B, Hkv, D) join the window (and, returned in the pairs' dtype,
         the slow tier); the speculative row's are dropped."""
-        batch = torch.arange(new_k.shape[0], device=new_k.device)
+        rows = self.state.moved()
         new_k, new_v = new_k.to(self.window_k.dtype), new_v.to(self.window_v.dtype)
-        self.window_k[batch, :, self.state.window_len] = new_k
-        self.window_v[batch, :, self.state.window_len] = new_v
+        self.window_k[rows, :, self.state.window_len[rows]] = new_k[rows]
+        self.window_v[rows, :, self.state.window_len[rows]] = new_v[rows]
         return new_k, new_v
+
+    def step_on_rows(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
+        """A step of the rows the state moves ("rows" below: `state.rows`, whose phase says
+        whether the real rows are kept): q (1, H, n S, D) and k, v (1, Hkv, n S, D) are their
+        rows, S a sequence, one sequence after another in the order of `state.rows`. Every row of
+        the cache takes the step, the others with no query and nothing to attend, and are left as
+        they were. The output (1, H, n S, D); `input_pos` is not read."""
+        state, batch = self.state, self.fetched_k.shape[0]
+        at, n = state.rows_index, len(state.rows)
+
+        def on_every_row(x: Tensor) -> Tensor:  # (1, h, n S, D) -> (B, h, S, D), zeros elsewhere
+            every = x.new_zeros(batch, x.shape[1], x.shape[2] // n, x.shape[3])
+            every[at] = x[0].unflatten(1, (n, -1)).transpose(0, 1)
+            return every
+
+        self.tier.before_step()
+        keep = state.row_phase[state.rows[0]] == DECODE
+        out = self.step(on_every_row(q), on_every_row(k), on_every_row(v), keep)
+        return out[at].transpose(0, 1).flatten(1, 2).unsqueeze(0)
 
     def fast_tier_bytes(self) -> int:
         """The layer's fast-tier buffers, all sequences (not its counters)."""
@@ -2079,6 +2138,20 @@ class SpeCacheLayer(nn.Module):
         return sum(
             t.numel() * t.element_size() for name, t in self.named_buffers() if name not in counters
         )
+
+
+class RowOfLayer(nn.Module):
+    """Row b of a layer ("rows" below), plugged into the host's attention layer for that row's
+    prompt chunks and its bootstrap; its decode steps go with the other rows' (`step_on_rows`)."""
+
+    def __init__(self, layer: SpeCacheLayer, b: int):
+        super().__init__()
+        self.layer, self.b = layer, b
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask=None) -> Tensor:
+        if self.layer.state.row_phase[self.b] == PREFILL:
+            return self.layer.prefill(q, k, v, int(input_pos[0, 0]), rows=[self.b])
+        return self.layer.step_on_rows(q, k, v, input_pos)
 
 
 # --- the two-row step and the bootstrap: a generation ----------------------------------------
@@ -2154,6 +2227,14 @@ class SpeCache:
         self.guess_next: Callable[[Tensor, Tensor, Tensor], Tensor] = GUESSES[
             config.selection.guess
         ]
+        # per sequence: its real tokens (for prompt lookup), the next guess, the guesses that held
+        self.token_history = torch.zeros(batch_size, self.capacity + 1, dtype=torch.long)
+        self.token_history = self.token_history.to(self.device)
+        self.history_len = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self.guess = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
+        self.matches = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self.guessed_from: Optional[Tensor] = None  # the speculative rows' logits, last step
+        self.row_guessed: dict[int, tuple[Tensor, Tensor]] = {}  # the same, per row ("rows")
 
     def begin(self, tokens: Tensor, lengths: Tensor, held: int = 0) -> None:
         """A generation of the prompts `tokens` (B, S, right-padded to `lengths`) starts: every
@@ -2170,12 +2251,12 @@ class SpeCache:
             layer.reset()
         if self.probe is not None:
             self.probe.reset()
-        if not held:  # real tokens, for prompt lookup
-            self.token_history = lengths.new_zeros(lengths.shape[0], self.capacity + 1)
+        if not held:
+            self.token_history.zero_()
         self.token_history[:, held : held + tokens.shape[1]] = tokens
         self.history_len = held + lengths
-        self.guess = self.guessed_from = None
-        self.matches = torch.zeros((), dtype=torch.long, device=self.device)
+        self.guessed_from = None
+        self.matches.zero_()
 
     def bootstrap(
         self, forward: Callable[[Tensor, Tensor], Tensor], first: Tensor, positions: Tensor
@@ -2217,7 +2298,7 @@ class SpeCache:
         self.token_history[batch, self.history_len] = token[:, 0]
         self.history_len.add_(1)
         if self.guessed_from is not None:
-            self.matches += (self.guess_was == token).sum()
+            self.matches += (self.guess_was == token)[:, 0]
             self.guess = self.guess_next(self.guessed_from, self.token_history, self.history_len)
 
     def finish(self, keep: bool = False) -> None:
@@ -2241,3 +2322,123 @@ class SpeCache:
             state.host_window_len[b] -= g
         if full or state.host_selectable_len() != selectable:
             state.sync()
+
+    # --- rows: one cache for sequences that come and go ----------------------------------------
+    # A server that batches continuously (serve.py) runs sequences that join and leave at their
+    # own times. Here they share one cache, a row each: a row begins, prefills, bootstraps and is
+    # kept on its own, and one pass steps every decoding row together (`move_rows`, then each
+    # layer's `step_on_rows`) while other rows take prompt chunks in the same pass. A row the step
+    # does not move holds nothing as the step sees it (its lengths are 0 on the device), so it
+    # costs the kernels next to nothing, and the step writes nothing of it (`write_moved`). The
+    # slow tier is RAM's (a CPU): a kept row is copied out of it and back (`save_row`).
+
+    def row(self, b: int) -> list[nn.Module]:
+        """Row b's module for each layer: plugged in for its prompt's chunks and its bootstrap."""
+        return [RowOfLayer(layer, b) for layer in self.layers]
+
+    def begin_row(self, b: int, tokens: Tensor, held: int = 0) -> None:
+        """`begin` for row b alone: its prompt `tokens` (1, S), on top of the `held` tokens the row
+        holds already (restored with `restore_row`)."""
+        state, n = self.state, held + tokens.shape[1]
+        if held and state.held()[b] != held:
+            raise ValueError(f"row {b} holds {state.held()[b]} tokens, not {held}")
+        state.host_quantized_len[b], state.host_window_len[b] = state.split(n)
+        state.row_phase[b] = PREFILL
+        for layer in self.layers:
+            layer.reset([b])
+        if not held:
+            self.token_history[b] = 0
+        self.token_history[b, held:n] = tokens[0]
+        self.history_len[b] = n
+        self.matches[b] = 0
+
+    def move_rows(self, rows: list[int]) -> None:
+        """The next pass steps `rows` (in this order, each in its phase): the device's lengths
+        follow (those of the other rows are 0)."""
+        self.state.rows = rows
+        self.state.rows_index = torch.tensor(rows, device=self.device)
+        self.state.sync()
+
+    def bootstrap_row(
+        self, b: int, forward: Callable[[Tensor, Tensor], Tensor], first: Tensor, position: Tensor
+    ) -> None:
+        """`bootstrap` of row b alone: `forward` runs the model with `row(b)` plugged in."""
+        if self.speculative:
+            self.state.row_phase[b] = BOOTSTRAP
+            self.move_rows([b])
+            with torch.compiler.set_stance("force_eager"):
+                logits = forward(first, position)
+            history = self.token_history[b : b + 1], self.history_len[b : b + 1]
+            self.guess[b] = self.guess_next(logits[:, -1], *history)[0]
+
+    def step_rows_of(self, b: int, token: Tensor, position: Tensor) -> tuple[Tensor, Tensor]:
+        """`step_rows` of row b: the rows (1, S) its sequence adds to the next decode pass."""
+        self.state.row_phase[b] = DECODE
+        if not self.speculative:
+            return token, position
+        guess = self.guess[b : b + 1]
+        return torch.cat([token, guess], 1), torch.cat([position, position + 1], 1)
+
+    def stepped_row(self, b: int, logits: Tensor) -> Tensor:
+        """`stepped` of row b, its logits (1, S, V) from the pass: the real row's (1, 1, V)."""
+        if self.speculative:
+            self.row_guessed[b] = logits[:, 1], self.guess[b : b + 1].clone()
+        state, g = self.state, self.config.method.group
+        state.host_window_len[b] += 1  # the device's follow at the next `move_rows`
+        if state.host_window_len[b] == state.residual + g:
+            for layer in self.layers:
+                layer.flush_window(b)
+            state.host_quantized_len[b] += g
+            state.host_window_len[b] -= g
+        return logits[:, :1]
+
+    def sampled_row(self, b: int, token: Tensor) -> None:
+        """`sampled` of row b: its real token (1, 1)."""
+        self.token_history[b, self.history_len[b]] = token[0, 0]
+        self.history_len[b] += 1
+        if b in self.row_guessed:
+            guessed_from, guess = self.row_guessed.pop(b)
+            self.matches[b] += (guess == token).sum()
+            history = self.token_history[b : b + 1], self.history_len[b : b + 1]
+            self.guess[b] = self.guess_next(guessed_from, *history)[0]
+
+    def save_row(self, b: int, n: int) -> list[Tensor]:
+        """What row b holds, its n tokens, copied out (a kept conversation, whose row then serves
+        another sequence): the tokens, and each layer's low-bit copy, window, sinks and slow tier
+        up to them, so a copy costs what it holds."""
+        if n != self.state.held()[b]:
+            raise ValueError(f"row {b} holds {self.state.held()[b]} tokens, not {n}")
+        saved = [self.token_history[b, :n].clone()]
+        for layer in self.layers:
+            saved += [buffer[b, :, :end].clone() for buffer, end in self._row_parts(layer, n)]
+        return saved
+
+    def restore_row(self, b: int, saved: list[Tensor]) -> None:
+        """`save_row`'s copy into row b, which then holds what the saved row held."""
+        history, *parts = saved
+        n = history.shape[0]
+        self.token_history[b, :n] = history
+        self.state.host_quantized_len[b], self.state.host_window_len[b] = self.state.split(n)
+        parts = iter(parts)
+        for layer in self.layers:
+            for (buffer, end), part in zip(self._row_parts(layer, n), parts):
+                buffer[b, :, :end] = part
+
+    def _row_parts(self, layer: SpeCacheLayer, n: int) -> list[tuple[Tensor, int]]:
+        """A layer's per-row buffers, each with how far a row that holds n tokens fills it."""
+        lq, r = self.state.split(n)
+        groups = lq // self.config.method.group
+        return [
+            (layer.k_packed, lq),
+            (layer.k_scale, groups),
+            (layer.k_zero, groups),
+            (layer.v_packed, lq),
+            (layer.v_scale, lq),
+            (layer.v_zero, lq),
+            (layer.window_k, r),
+            (layer.window_v, r),
+            (layer.fetched_k, layer.n_sinks),  # the sinks' exact pairs
+            (layer.fetched_v, layer.n_sinks),
+            (layer.tier.k, n),
+            (layer.tier.v, n),
+        ]

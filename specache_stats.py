@@ -209,19 +209,28 @@ def step_bytes(cache, positions: list[int]) -> int:
     return int(lowbit + rings * len(positions))
 
 
-def cache_stats(cache, steps: int) -> dict:
+def cache_stats(cache, steps: int, row: Optional[int] = None) -> dict:
     """A SpeCache's (caches.PluggedSpeCache) tier sizes, the ratio to a 16-bit cache of the same
-    length, fetch volume, speculation quality, and the diagnostics when it has them."""
+    length, fetch volume, speculation quality, and the diagnostics when it has them: of every
+    sequence, or of the one on `row` (specache.py's "rows": its share of the tiers)."""
     c, method, state = cache.model.config, cache.config.method, cache.state
-    layer = cache.layers[0]
+    layer, rows = cache.layers[0], state.quantized_len.shape[0]
     fast_global = sum(each.fast_tier_bytes() for each in cache.layers)
     fast_rings = sum(ring.fast_tier_bytes() for ring in cache.rings)
-    fast, batch = fast_global + fast_rings, state.quantized_len.shape[0]
+    fast, batch = fast_global + fast_rings, rows
+    slow = sum(each.tier.nbytes() for each in cache.layers)
+    picked = slice(None) if row is None else slice(row, row + 1)
+    if row is not None:
+        fast, slow, batch = fast // rows, slow // rows, 1
     full_16bit = sixteen_bit_cache_bytes(cache.model, state.capacity, batch)
     pair_bytes = 2 * c.head_dim * layer.fetched_k.element_size()
-    pairs_read = sum(int(each.pairs_read) for each in cache.layers)
-    discarded = sum(int(each.heads_discarded) for each in cache.layers)
-    checked = sum(int(each.heads_checked) for each in cache.layers)
+
+    def total(counts: list[Tensor]) -> int:
+        return sum(int(count[picked].sum()) for count in counts)
+
+    pairs_read = total([each.pairs_read for each in cache.layers])
+    discarded = total([each.heads_discarded for each in cache.layers])
+    checked = total([each.heads_checked for each in cache.layers])
     select = cache.config.selection.name()
     if cache.probe is not None and cache.probe.oracle:
         select = f"oracle={cache.probe.kind} ({select})"
@@ -239,11 +248,11 @@ def cache_stats(cache, steps: int) -> dict:
         "sinks": layer.n_sinks,
         "capacity_tokens": state.capacity,
         "fast_tier_bytes": fast,
-        "slow_tier_bytes": sum(each.tier.nbytes() for each in cache.layers),
+        "slow_tier_bytes": slow,
         "fast_tier_ratio_to_16bit_cache": fast / full_16bit,
         "bytes_fetched_per_token": pairs_read * pair_bytes / max(1, steps * batch),
         "speculative_match_rate": (
-            int(cache.matches) / max(1, steps * batch) if cache.speculative else None
+            total([cache.matches]) / max(1, steps * batch) if cache.speculative else None
         ),
         "prefetch_discarded_share": discarded / checked if checked else None,
     }

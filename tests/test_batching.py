@@ -8,10 +8,11 @@ import time
 import pytest
 import torch
 
-import batching
+import caches
 from batching import Engine, Sequence, Slot
 from caches import FullCache, KernelKVCache, make_cache
 from model import KVCache
+from specache import SpeCacheLayer
 from generation import GenerateOptions, generate
 from tests.conftest import tiny_model
 
@@ -216,7 +217,7 @@ def test_decode_steps_on_rows_of_a_shared_cache_equal_each_row_alone(kind):
     apart.v_cache.copy_(shared.v_cache)
     at, pos = torch.tensor([2, 0]), torch.tensor([[9, 20]])
     q, k, v = (torch.randn(1, n, 2, 16, generator=g) for n in (4, 2, 2))
-    out = batching.decode_on_rows(shared, at, q, k, v, pos)
+    out = caches.decode_on_rows(shared, at, q, k, v, pos)
     for i, row in enumerate(at.tolist()):
         one = apart.row(row)
         alone = one(
@@ -227,21 +228,33 @@ def test_decode_steps_on_rows_of_a_shared_cache_equal_each_row_alone(kind):
     torch.testing.assert_close(shared.v_cache, apart.v_cache, rtol=0, atol=0)
 
 
-def test_the_full_cache_is_one_cache_shared_a_row_each(monkeypatch):
-    """The full cache's sequences share one cache, a row each: the decode steps of all running
-    sequences take one attention call per layer. A kept conversation is copied out of its row, which
-    then serves other sequences (they overwrite it), and goes back into a row when it continues:
-    its answer is the one generate gives continuing a kept cache, and it costs what it holds."""
+@pytest.mark.parametrize("name", ["full", "specache"])
+def test_a_cache_in_ram_is_one_cache_shared_a_row_each(name, monkeypatch):
+    """The full cache's and SpeCache's sequences share one cache, a row each: the decode steps of
+    all running sequences take one attention call per layer. A kept conversation is copied out of
+    its row, which then serves other sequences (they overwrite it), and goes back into a row when
+    it continues: its answer is the one generate gives continuing a kept cache, and it costs what
+    it holds."""
+    method, options = METHODS[name]
     model = tiny_model()
     calls = []
-    real = batching.decode_on_rows
+    if name == "full":
+        real = caches.decode_on_rows
 
-    def counted(shared, at, *args):
-        calls.append(len(at))
-        return real(shared, at, *args)
+        def counted(shared, at, *args):
+            calls.append(len(at))
+            return real(shared, at, *args)
 
-    monkeypatch.setattr(batching, "decode_on_rows", counted)
-    engine = engine_for(model, "full", {}, max_batch_size=2, keep_bytes=10**9)
+        monkeypatch.setattr(caches, "decode_on_rows", counted)
+    else:
+        real = SpeCacheLayer.step_on_rows
+
+        def counted(layer, *args):
+            calls.append(len(layer.state.rows))
+            return real(layer, *args)
+
+        monkeypatch.setattr(SpeCacheLayer, "step_on_rows", counted)
+    engine = engine_for(model, method, options, max_batch_size=2, keep_bytes=10**9)
     assert engine.shared is not None and len(engine.free) == 2
     turn1 = Collect(prompts(1)[0], 8, keep=True)
     engine.submit(turn1)
@@ -252,21 +265,25 @@ def test_the_full_cache_is_one_cache_shared_a_row_each(monkeypatch):
         engine.submit(job)
     answers = [job.result() for job in others]
     settled(engine)  # the engine has the model to itself until then
-    assert answers == [alone(model, "full", {}, job.prompt_ids, 6)[0] for job in others]
+    references = [alone(model, method, options, job.prompt_ids, 6)[0] for job in others]
+    assert answers == references
     assert max(calls) == 2  # both decoding sequences' steps in one call
     new = [answer1[-1], 5, 6, 7]
     turn2 = Collect(turn1.prompt_ids + answer1[:-1] + new, 8, keep=True)
     engine.submit(turn2)
     answer2 = turn2.result()
     assert turn2.reused == held
-    _, cache = alone(model, "full", {}, turn1.prompt_ids, 8)
-    assert answer2 == alone(model, "full", {}, new, 8, held=held, cache=cache)[0]
+    _, cache = alone(model, method, options, turn1.prompt_ids, 8)
+    assert answer2 == alone(model, method, options, new, 8, held=held, cache=cache)[0]
     c = model.config
-    per_position = c.n_layer * 2 * c.n_local_heads * c.head_dim * 4  # float32 K and V
     held2 = held + len(new) + len(answer2) - 1
-    assert settled(engine)["kept_conversations_bytes"] == held2 * per_position
-    for name in ("specache", "kivi"):  # a cache of their own: per-generation tier state
-        assert new_engine(model, *METHODS[name]).shared is None
+    kept = settled(engine)["kept_conversations_bytes"]
+    if name == "full":
+        assert kept == held2 * c.n_layer * 2 * c.n_local_heads * c.head_dim * 4  # float32 K, V
+    else:  # the slow tier's float16 pairs, and the low-bit copy, window and sinks beside them
+        slow = held2 * c.n_layer * 2 * c.n_local_heads * c.head_dim * 2
+        assert held2 < CAPACITY / 3 and slow < kept < 2 * slow  # not a row's capacity
+    assert new_engine(model, *METHODS["specache-disk"]).shared is None  # a folder per cache
     assert new_engine(tiny_model(**HYBRID)).shared is None  # sliding-window rings
 
 

@@ -55,14 +55,17 @@ def test_reading_with_reuse_gives_the_gather_and_reads_only_what_was_not_held():
 
 
 class Lengths:
-    """The one thing a tier reads from SpeCache's state: where each sequence's next real row
-    goes."""
+    """What a tier reads from SpeCache's state: where each sequence's next real row goes, and the
+    rows a step moves (all)."""
 
     def __init__(self, positions):
         self.positions = positions
 
     def next_position(self):
         return self.positions
+
+    def moved(self):
+        return torch.arange(len(self.positions))
 
 
 def test_the_ram_tier_stores_reads_and_prefetches_into_the_slots():
