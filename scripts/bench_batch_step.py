@@ -1,6 +1,6 @@
 """What a decode step of several sequences costs against a step of one: serve.py's engine (where
-the full cache's sequences share one cache, a row each, and SpeCache's each have their own) against
-one cache set up for the whole batch by generate.
+the sequences share one cache, a row each: the full cache's, and SpeCache's in a CPU's RAM)
+against one cache set up for the whole batch by generate.
 
     python scripts/bench_batch_step.py                                # 2k context, 1, 2, 4, 8
     python scripts/bench_batch_step.py --context 1024 --batch 1 8 --methods full --out /tmp/step
