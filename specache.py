@@ -2228,11 +2228,11 @@ class SpeCache:
             config.selection.guess
         ]
         # per sequence: its real tokens (for prompt lookup), the next guess, the guesses that held
-        self.token_history = torch.zeros(batch_size, self.capacity + 1, dtype=torch.long)
-        self.token_history = self.token_history.to(self.device)
-        self.history_len = torch.zeros(batch_size, dtype=torch.long, device=self.device)
-        self.guess = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
-        self.matches = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        ids = dict(dtype=torch.long, device=self.device)
+        self.token_history = torch.zeros(batch_size, self.capacity + 1, **ids)
+        self.history_len = torch.zeros(batch_size, **ids)
+        self.guess = torch.zeros(batch_size, 1, **ids)
+        self.matches = torch.zeros(batch_size, **ids)
         self.guessed_from: Optional[Tensor] = None  # the speculative rows' logits, last step
         self.row_guessed: dict[int, tuple[Tensor, Tensor]] = {}  # the same, per row ("rows")
 

@@ -287,6 +287,26 @@ def test_a_cache_in_ram_is_one_cache_shared_a_row_each(name, monkeypatch):
     assert new_engine(tiny_model(**HYBRID)).shared is None  # sliding-window rings
 
 
+def test_each_request_on_a_shared_specache_reports_its_own_rows_statistics():
+    """SpeCache's rows shared: a request's cache statistics (generate.py's --json fields: pairs
+    fetched per token, speculation's match rate, its share of the tiers) are those of its own
+    row, the figures generate reports for that prompt alone, not the whole cache's."""
+    method, options = METHODS["specache"]
+    model = tiny_model()
+    jobs = [Collect(p, 6 + 4 * i) for i, p in enumerate(prompts(3, seed=4))]
+    engine = engine_for(model, method, options, max_batch_size=3)
+    for job in jobs:
+        engine.submit(job)
+    for job in jobs:
+        job.result()
+    settled(engine)
+    run = GenerateOptions(prefill_chunk=CHUNK)
+    for job in jobs:
+        cache = make_cache(method, model, 1, CAPACITY, **options)
+        alone = generate(model, cache, [job.prompt_ids], job.max_tokens, options=run)
+        assert job.stats == alone.stats and job.stats["bytes_fetched_per_token"] > 0
+
+
 def test_kept_conversations_stay_within_their_budget_and_their_files_go(tmp_path):
     """The LRU keeps what fits in its bytes, oldest out first; a disk tier's folder goes with
     the cache that leaves."""
