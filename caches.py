@@ -212,6 +212,8 @@ class FullCache:
     def decode_steps(self, rows: list[int]) -> list[Callable[..., Tensor]]:
         """For each layer, the attention of one pass's decode steps of the sequences on `rows`
         (their rows first in the pass, one each): `decode_on_rows`."""
+        if len(rows) == 1:  # its row alone: a batch of one, its heads spread over the threads
+            return [partial(view, mask=None) for view in self.row(rows[0])]
         at = torch.tensor(rows, device=self.layers[0].k_cache.device)
         return [partial(decode_on_rows, layer, at) for layer in self.layers]
 

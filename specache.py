@@ -49,7 +49,8 @@ rules, the speculative token); the ops a step runs, each defined here in plain P
 torch.library op that faster kernels may register for their device (this repository's kernels/
 does, for CPUs and GPUs; the results are the same either way); prefill over a history; the RAM and
 pinned-host slow tiers; one layer's cache; the two-row step and the bootstrap that drive a
-generation, with how a host plugs SpeCache in.
+generation, with how a host plugs SpeCache in; last, rows: sequences that come and go in one cache
+(a server's continuous batching).
 """
 
 from concurrent.futures import Future, ThreadPoolExecutor
