@@ -7,8 +7,12 @@ then checks that nothing was lost, wrong or left behind.
 Per method (`full`, `specache-1bit`, `specache-1bit-disk`: SpeCache with its slow tier on disk), one
 server (continuous batching, batches of 8, conversations kept up to --keep_gb) and the official
 `openai` client. Warm-up waves of 48 requests at concurrency 16 fill the pools and the kept
-conversations' budget (to 90%, or until their count stops changing); then the run sends --requests
-requests in waves, each wave at a concurrency drawn from 1-16. Each request is one of:
+conversations' budget (to 90%, or until their count stops changing), then one wave at each
+concurrency the run draws from, so that the run brings the server no pattern of threads it has not
+met (with the disk tier's I/O threads, resident memory went on rising through the first 250
+requests of a run, by 9% of the warm-up's, and 1% over the next 250); then the run sends
+--requests requests in waves, each wave at a concurrency drawn from 1-16. Each request is one
+of:
 - a chat or a completion, streamed or not, on one of 12 prompts whose greedy answers are known
   (generate.py's, computed here with the same cache);
 - a second turn of an earlier chat (its messages, the reply as sent, a new question): answered,
@@ -46,6 +50,7 @@ from tokenizer import get_tokenizer  # noqa: E402
 
 CONTEXT = 512
 MAX_TOKENS = 12
+CONCURRENCIES = (1, 2, 4, 8, 16)  # a wave's clients
 TOPICS = ("rivers", "bread", "winter", "clocks", "bees", "maps", "glass", "salt", "kites", "owls")
 QUESTIONS = [f"In one sentence, what is interesting about {t}?" for t in TOPICS] + [
     "Name three colours.",
@@ -215,11 +220,14 @@ def soak(checkpoint: Path, method: str, requests: int, keep_gb: float, port: int
             if full or health["kept_conversations"] == kept:
                 break
             kept = health["kept_conversations"]
+        for concurrency in CONCURRENCIES:
+            run.wave(2 * concurrency, concurrency)
+        idle(url)
         warm_rss, warm_threads = process_figures(process.pid)
         done = 0
         while done < requests:
             size = min(run.random.randint(8, 40), requests - done)
-            run.wave(size, run.random.choice((1, 2, 4, 8, 16)))
+            run.wave(size, run.random.choice(CONCURRENCIES))
             done += size
         health = idle(url)
         time.sleep(1)  # the threads of the last requests' connections end
