@@ -219,14 +219,15 @@ class FullCache:
 
     def save_row(self, index: int, n: int) -> list[Tensor]:
         """Every layer's K and V of row `index` up to position n, copied out."""
-        buffers = [x for layer in self.layers for x in (layer.k_cache, layer.v_cache)]
-        return [x[index, :, :n].clone() for x in buffers]
+        return [x[index, :, :n].clone() for x in self._buffers()]
 
     def restore_row(self, index: int, saved: list[Tensor]) -> None:
         """`save_row`'s copy into row `index`."""
-        buffers = [x for layer in self.layers for x in (layer.k_cache, layer.v_cache)]
-        for buffer, part in zip(buffers, saved):
+        for buffer, part in zip(self._buffers(), saved):
             buffer[index, :, : part.shape[1]] = part
+
+    def _buffers(self) -> list[Tensor]:
+        return [x for layer in self.layers for x in (layer.k_cache, layer.v_cache)]
 
     def begin(self, tokens: Tensor, lengths: Tensor, held: int = 0) -> None:
         pass  # prefill overwrites every position a generation reads, from `held` on

@@ -2311,18 +2311,25 @@ class SpeCache:
     def advance(self) -> None:
         """After a step that kept the real rows: count them into the windows, and flush full
         windows."""
-        state, g = self.state, self.config.method.group
+        state = self.state
         selectable = state.host_selectable_len()
         state.window_len += 1
         state.host_window_len = [r + 1 for r in state.host_window_len]
-        full = [b for b, r in enumerate(state.host_window_len) if r == state.residual + g]
-        for b in full:
-            for layer in self.layers:
-                layer.flush_window(b)
-            state.host_quantized_len[b] += g
-            state.host_window_len[b] -= g
+        full = [b for b in range(len(state.host_window_len)) if self.flush_if_full(b)]
         if full or state.host_selectable_len() != selectable:
             state.sync()
+
+    def flush_if_full(self, b: int) -> bool:
+        """Sequence b's window holds R + g tokens (its newest counted on the host): every layer
+        flushes its oldest group into the low-bit copy. Whether it did."""
+        state, g = self.state, self.config.method.group
+        if state.host_window_len[b] != state.residual + g:
+            return False
+        for layer in self.layers:
+            layer.flush_window(b)
+        state.host_quantized_len[b] += g
+        state.host_window_len[b] -= g
+        return True
 
     # --- rows: one cache for sequences that come and go ----------------------------------------
     # A server that batches continuously (serve.py) runs sequences that join and leave at their
@@ -2384,13 +2391,8 @@ class SpeCache:
         """`stepped` of row b, its logits (1, S, V) from the pass: the real row's (1, 1, V)."""
         if self.speculative:
             self.row_guessed[b] = logits[:, 1], self.guess[b : b + 1].clone()
-        state, g = self.state, self.config.method.group
-        state.host_window_len[b] += 1  # the device's follow at the next `move_rows`
-        if state.host_window_len[b] == state.residual + g:
-            for layer in self.layers:
-                layer.flush_window(b)
-            state.host_quantized_len[b] += g
-            state.host_window_len[b] -= g
+        self.state.host_window_len[b] += 1  # the device's follow at the next `move_rows`
+        self.flush_if_full(b)
         return logits[:, :1]
 
     def sampled_row(self, b: int, token: Tensor) -> None:

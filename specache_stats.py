@@ -214,14 +214,13 @@ def cache_stats(cache, steps: int, row: Optional[int] = None) -> dict:
     length, fetch volume, speculation quality, and the diagnostics when it has them: of every
     sequence, or of the one on `row` (specache.py's "rows": its share of the tiers)."""
     c, method, state = cache.model.config, cache.config.method, cache.state
-    layer, rows = cache.layers[0], state.quantized_len.shape[0]
+    layer, batch = cache.layers[0], state.quantized_len.shape[0]
     fast_global = sum(each.fast_tier_bytes() for each in cache.layers)
     fast_rings = sum(ring.fast_tier_bytes() for ring in cache.rings)
-    fast, batch = fast_global + fast_rings, rows
-    slow = sum(each.tier.nbytes() for each in cache.layers)
-    picked = slice(None) if row is None else slice(row, row + 1)
-    if row is not None:
-        fast, slow, batch = fast // rows, slow // rows, 1
+    fast, slow = fast_global + fast_rings, sum(each.tier.nbytes() for each in cache.layers)
+    picked = slice(None)
+    if row is not None:  # its share of the tiers, and its own counts
+        fast, slow, batch, picked = fast // batch, slow // batch, 1, slice(row, row + 1)
     full_16bit = sixteen_bit_cache_bytes(cache.model, state.capacity, batch)
     pair_bytes = 2 * c.head_dim * layer.fetched_k.element_size()
 
