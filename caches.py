@@ -364,8 +364,9 @@ class PluggedSpeCache(SpeCache):
         self.whole_step = device.type == "cpu" and slow_tier == "ram"
         self.graph_breaks = not self.whole_step
         # sequences that come and go may share this cache, a row each (specache.py's "rows"),
-        # where its slow tier is a CPU's RAM, every layer is SpeCache's, and nothing watches
-        self.shares_rows = self.whole_step and not self.rings and probe is None
+        # where its slow tier is host RAM (a CPU's, or pinned beside a GPU; the disk tier is a
+        # folder of files per cache), every layer is SpeCache's, and nothing watches
+        self.shares_rows = slow_tier == "ram" and not self.rings and probe is None
 
     def row_cache(self, index: int) -> "SpeCacheRow":
         """The cache methods of the sequence on row `index`."""
@@ -442,7 +443,7 @@ class SpeCacheRow:
         self.cache.sampled_row(self.index, token)
 
     def finish(self, keep: bool = False) -> None:
-        pass  # in a CPU's RAM, nothing moves in the background
+        pass  # a prefetch in flight lands at the next step, or before the tiers are read or reset
 
     def stats(self, steps: int) -> dict:
         return cache_stats(self.cache, steps, row=self.index)

@@ -23,9 +23,9 @@ Batching is continuous (batching.py): one worker thread owns the model; requests
 it has fewer than --max_batch_size, and leave it as soon as their answer is complete. Each pass of
 the model takes a decode step of every running answer and up to --prefill_chunk tokens of joining
 prompts (whole chunks, shortest prompt first), so running answers go on streaming while a long
-prompt joins. With the full cache, and SpeCache in a CPU's RAM, the requests share one cache, a row
-each (a decode step attends in one call per layer for all of them); with the others each request
-has a cache of its own.
+prompt joins. With the full cache, and SpeCache with its slow tier in host RAM, the requests share
+one cache, a row each (a decode step attends in one call per layer for all of them); with the
+others each request has a cache of its own.
 Either way greedy answers equal generate.py's for the same prompt (with the same --prefill_chunk),
 and a sampled request with a seed gives the same answer alone or beside others. `--batching
 static` lets requests join only an empty batch (the baseline scripts/bench_serve.py compares with).

@@ -1610,8 +1610,10 @@ def _leave_layer(
     """After the layer's pass: the real rows go to host memory; the prefetch of kappa starts
     (and, without overlap, is waited for)."""
     if new_k is not None:
-        for b, position in enumerate(tier.spec.state.held()):  # next_position, on the host
-            tier.write(b, position, new_k[b, :, None].clone(), new_v[b, :, None].clone())
+        state = tier.spec.state
+        held = state.held()  # next_position, on the host
+        for b in range(len(held)) if state.rows is None else state.rows:
+            tier.write(b, held[b], new_k[b, :, None].clone(), new_v[b, :, None].clone())
     if kappa is not None:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(tier.spec.device))
@@ -2337,8 +2339,10 @@ class SpeCache:
     # kept on its own, and one pass steps every decoding row together (`move_rows`, then each
     # layer's `step_on_rows`) while other rows take prompt chunks in the same pass. A row the step
     # does not move holds nothing as the step sees it (its lengths are 0 on the device), so it
-    # costs the kernels next to nothing, and the step writes nothing of it (`write_moved`). The
-    # slow tier is RAM's (a CPU): a kept row is copied out of it and back (`save_row`).
+    # costs the kernels next to nothing, and the step writes nothing of it (`write_moved`, and the
+    # slow tier takes the moved rows' real rows only). Its prefetch slots are filled again from
+    # its kappa, which the step left as it was: the pairs they hold already. A kept row is copied
+    # out of the tiers and back (`save_row`), once the copies beside a GPU have landed.
 
     def row(self, b: int) -> list[nn.Module]:
         """Row b's module for each layer: plugged in for its prompt's chunks and its bootstrap."""
@@ -2411,6 +2415,7 @@ class SpeCache:
         up to them, so a copy costs what it holds."""
         if n != self.state.held()[b]:
             raise ValueError(f"row {b} holds {self.state.held()[b]} tokens, not {n}")
+        self._settle()
         saved = [self.token_history[b, :n].clone()]
         for layer in self.layers:
             saved += [buffer[b, :, :end].clone() for buffer, end in self._row_parts(layer, n)]
@@ -2420,12 +2425,22 @@ class SpeCache:
         """`save_row`'s copy into row b, which then holds what the saved row held."""
         history, *parts = saved
         n = history.shape[0]
+        self._settle()  # no copy in flight may land on the row afterwards
         self.token_history[b, :n] = history
         self.state.host_quantized_len[b], self.state.host_window_len[b] = self.state.split(n)
         parts = iter(parts)
         for layer in self.layers:
             for (buffer, end), part in zip(self._row_parts(layer, n), parts):
                 buffer[b, :, :end] = part
+
+    def _settle(self) -> None:
+        """Every move in the background has landed: the prefetches, and beside a GPU the copies of
+        real rows to the host's slow tier (on a side stream), so the host reads and writes the
+        tiers itself."""
+        for layer in self.layers:
+            layer.tier.before_step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _row_parts(self, layer: SpeCacheLayer, n: int) -> list[tuple[Tensor, int]]:
         """A layer's per-row buffers, each with how far a row that holds n tokens fills it."""

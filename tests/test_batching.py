@@ -12,7 +12,7 @@ import caches
 from batching import Engine, Sequence, Slot
 from caches import FullCache, KernelKVCache, make_cache
 from model import KVCache
-from specache import SpeCacheLayer
+from specache import RamTier, SpeCacheLayer
 from generation import GenerateOptions, generate
 from tests.conftest import tiny_model
 
@@ -285,6 +285,56 @@ def test_a_cache_in_ram_is_one_cache_shared_a_row_each(name, monkeypatch):
         assert held2 < CAPACITY / 3 and slow < kept < 2 * slow  # not a row's capacity
     assert new_engine(model, *METHODS["specache-disk"]).shared is None  # a folder per cache
     assert new_engine(tiny_model(**HYBRID)).shared is None  # sliding-window rings
+
+
+class OpByOpTier(RamTier):
+    """The slow tier in RAM under a type of its own: a layer's step then goes op by op
+    (`SpeCacheLayer.step_in_parts`), as beside a GPU, and the tier places the prefetch."""
+
+
+def op_by_op(cache):
+    for layer in cache.layers:
+        layer.tier.__class__ = OpByOpTier
+    return cache
+
+
+def test_shared_specache_rows_step_op_by_op_as_beside_a_gpu(monkeypatch):
+    """Beside a GPU SpeCache's rows are shared too, but its step goes op by op, with picks read
+    within the step and the prefetch placed by the tier for every row. On a CPU, with that path
+    forced: while some rows join, bootstrap or sit free, the decoding rows' steps leave them as
+    they were, and every answer equals generate's for that prompt alone (on the same path)."""
+    method, options = METHODS["specache"]
+    model = tiny_model()
+    moved = []
+    real = SpeCacheLayer.step_in_parts
+
+    def watched(layer, *args):
+        moved.append(len(layer.state.rows or []))
+        return real(layer, *args)
+
+    monkeypatch.setattr(SpeCacheLayer, "step_in_parts", watched)
+    jobs = [Collect(p, 6 + 5 * i) for i, p in enumerate(prompts(6))]
+    engine = Engine(
+        model,
+        lambda n: op_by_op(make_cache(method, model, n, CAPACITY, **options)),
+        CAPACITY,
+        max_batch_size=3,
+        prefill_chunk=CHUNK,
+    )
+    assert engine.shared is not None
+    engine.start()
+    for job in jobs:
+        engine.submit(job)
+    answers = [job.result() for job in jobs]
+    settled(engine)
+    assert {1, 2} <= set(moved)  # passes that stepped some of the rows, not all three
+    references = []
+    for job in jobs:
+        cache = op_by_op(make_cache(method, model, 1, CAPACITY, **options))
+        references.append(
+            alone(model, method, options, job.prompt_ids, job.max_tokens, cache=cache)[0]
+        )
+    assert answers == references
 
 
 def test_each_request_on_a_shared_specache_reports_its_own_rows_statistics():

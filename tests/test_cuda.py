@@ -197,3 +197,38 @@ def test_quantized_linears_on_cuda_match_their_references():
     torch.testing.assert_close(
         int4(x.cuda()).cpu(), expected, rtol=0, atol=1e-2 * expected.abs().max().item()
     )
+
+
+@pytest.mark.parametrize("name", ["full", "specache"])
+def test_the_engine_on_cuda_shares_one_cache_a_row_each(name):
+    """serve.py's engine on the GPU, its sequences a row each of one cache (SpeCache's slow tier
+    pinned in host RAM, its real rows written and its prefetches fetched on side streams): six
+    requests through a batch of 3 answer what generate answers for each prompt alone on the GPU.
+    A kept conversation is copied out of its row once the copies in flight have landed, other
+    prompts overwrite the row, and it continues from a copy back as generate continues a kept
+    cache."""
+    from test_batching import METHODS, Collect, alone, engine_for, prompts, settled
+
+    method, options = METHODS[name]
+    model = tiny_model().cuda()
+    engine = engine_for(model, method, options, max_batch_size=3, keep_bytes=10**9)
+    assert engine.shared is not None
+    turn1 = Collect(prompts(1)[0], 8, keep=True)
+    engine.submit(turn1)
+    answer1 = turn1.result()
+    jobs = [Collect(p, 6 + 5 * i) for i, p in enumerate(prompts(6))]
+    for job in jobs:
+        engine.submit(job)
+    answers = [job.result() for job in jobs]
+    settled(engine)
+    references = [alone(model, method, options, job.prompt_ids, job.max_tokens)[0] for job in jobs]
+    assert answers == references
+    held = len(turn1.prompt_ids) + len(answer1) - 1
+    new = [answer1[-1], 5, 6, 7]
+    turn2 = Collect(turn1.prompt_ids + answer1[:-1] + new, 8, keep=True)
+    engine.submit(turn2)
+    answer2 = turn2.result()
+    assert turn2.reused == held
+    _, cache = alone(model, method, options, turn1.prompt_ids, 8)
+    assert answer2 == alone(model, method, options, new, 8, held=held, cache=cache)[0]
+    engine.close()
