@@ -13,8 +13,8 @@ pinned beside a GPU), are one cache set up for `max_batch_size` sequences, share
 a row each (`shares_rows`): a pass's decode steps then attend in one call per layer for every
 decoding sequence (the cache's `decode_steps`: caches.decode_on_rows, specache.py's "rows"), where
 a cache per sequence would take one call per sequence and layer; a prompt chunk goes to its
-sequence's row (the cache's `row`). Other caches (SpeCache's disk tier; eviction; a model with sliding-window rings) give
-each sequence a cache of its own.
+sequence's row (the cache's `row`). Other caches (SpeCache's disk tier; eviction; a model with
+sliding-window rings) give each sequence a cache of its own.
 
 A sequence leaves as soon as its answer is complete. Its cache (or row) then serves the next one,
 or, when the request allows it, goes into the kept conversations (`KeptConversations`; a row is

@@ -334,17 +334,21 @@ class DiskTier:
         """In the step: the pairs at positions (B, Hkv, K), read and waited for now."""
         return read_now(self, positions, valid)
 
-    def read_range(self, first: int, last: int) -> tuple[Tensor, Tensor]:
-        """Every sequence's pairs at positions [first, last), (B, Hkv, last - first, D) each: one
-        sequential read per sequence (a prefill on top of what the cache holds reads its history so;
-        the map's reads would go a page at a time, without readahead)."""
-        rows = torch.empty(
-            self.batch, last - first, self.n_kv_heads, 2, self.head_dim, dtype=self.dtype
+    def read_range(
+        self, first: int, last: int, rows: Optional[list[int]] = None
+    ) -> tuple[Tensor, Tensor]:
+        """Every sequence's pairs at positions [first, last), (B, Hkv, last - first, D) each (or
+        those of the sequences on `rows`): one sequential read per sequence (a prefill on top of
+        what the cache holds reads its history so; the map's reads would go a page at a time,
+        without readahead)."""
+        sequences = range(self.batch) if rows is None else rows
+        pairs = torch.empty(
+            len(sequences), last - first, self.n_kv_heads, 2, self.head_dim, dtype=self.dtype
         )
         try:
-            for b in range(self.batch):
+            for i, b in enumerate(sequences):
                 view, offset = (
-                    memoryview(rows[b].view(-1).view(torch.uint8).numpy()),
+                    memoryview(pairs[i].view(-1).view(torch.uint8).numpy()),
                     (b * self.capacity + first) * self.position_bytes,
                 )
                 while view:
@@ -354,7 +358,7 @@ class DiskTier:
                     view, offset = view[n:], offset + n
         except OSError as error:
             self.folder.fail(error, "reading")
-        pairs = rows.permute(3, 0, 2, 1, 4)  # (2, B, Hkv, N, D)
+        pairs = pairs.permute(3, 0, 2, 1, 4)  # (2, B, Hkv, N, D)
         return pairs[0], pairs[1]
 
     def keys(self) -> Tensor:

@@ -287,9 +287,11 @@ class SlowTier(Protocol):
     def write(self, b: int, start: int, k: Tensor, v: Tensor) -> None:
         """Sequence b's pairs k, v (Hkv, N, D) at positions [start, start + N)."""
 
-    def read_range(self, first: int, last: int) -> tuple[Tensor, Tensor]:
+    def read_range(
+        self, first: int, last: int, rows: Optional[list[int]] = None
+    ) -> tuple[Tensor, Tensor]:
         """Every sequence's pairs at [first, last), (B, Hkv, N, D) each, on the fast tier's
-        device."""
+        device; or those of the sequences on `rows` only (len(rows), Hkv, N, D)."""
 
     def read(self, positions: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         """Inside the step, now: the pairs (B, Hkv, K, D) at positions (B, Hkv, K) (those not
@@ -1295,8 +1297,11 @@ class RamTier:
         self.k[b, :, start : start + k.shape[1]] = k
         self.v[b, :, start : start + v.shape[1]] = v
 
-    def read_range(self, first: int, last: int) -> tuple[Tensor, Tensor]:
-        return self.k[:, :, first:last], self.v[:, :, first:last]
+    def read_range(
+        self, first: int, last: int, rows: Optional[list[int]] = None
+    ) -> tuple[Tensor, Tensor]:
+        at = slice(None) if rows is None else rows
+        return self.k[at, :, first:last], self.v[at, :, first:last]
 
     def read(self, positions: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         return gather_pairs(self.k, positions), gather_pairs(self.v, positions)
@@ -1503,16 +1508,20 @@ class PinnedTier:
         k.record_stream(self.copy_stream)
         v.record_stream(self.copy_stream)
 
-    def read_range(self, first: int, last: int) -> tuple[Tensor, Tensor]:
+    def read_range(
+        self, first: int, last: int, rows: Optional[list[int]] = None
+    ) -> tuple[Tensor, Tensor]:
         """Up on the compute stream, once the writes so far have landed (prefill, outside any
         graph). A slice of several sequences or heads is not contiguous: it is gathered into
         pinned memory first, so that the upload is asynchronous."""
         self.copy_stream.synchronize()
+        at = slice(None) if rows is None else rows
+        parts = [x[at, :, first:last] for x in (self.k, self.v)]
         return tuple(
-            torch.empty(x[:, :, first:last].shape, dtype=x.dtype, pin_memory=True)
-            .copy_(x[:, :, first:last])
+            torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            .copy_(x)
             .to(self.spec.device, non_blocking=True)
-            for x in (self.k, self.v)
+            for x in parts
         )
 
     def read(self, positions: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
@@ -1899,15 +1908,14 @@ class SpeCacheLayer(nn.Module):
         exact, from the slow tier; with nothing to fetch (KIVI), as its decode steps read them:
         the low-bit copy below Lq, but the sinks. `rows`: those rows' only."""
         lq = self.state.split(start)[0] if self.config.method.topk == 0 else 0
-        rows = slice(None) if rows is None else rows
         for first in range(0, start, block):
-            k, v = self.tier.read_range(first, min(start, first + block))
-            k, v = k[rows], v[rows]
+            k, v = self.tier.read_range(first, min(start, first + block), rows)
             # whole groups: block is a multiple of g
             low, sinks = min(lq, first + block) - first, max(0, self.n_sinks - first)
             if low > sinks:
                 low_k, low_v = self.lowbit().dequantized(first, first + low)
-                low_k, low_v = low_k[rows], low_v[rows]
+                if rows is not None:
+                    low_k, low_v = low_k[rows], low_v[rows]
                 # a copy, never the tier's own storage
                 k, v = k.to(torch.float32, copy=True), v.to(torch.float32, copy=True)
                 k[:, :, sinks:low], v[:, :, sinks:low] = low_k[:, :, sinks:], low_v[:, :, sinks:]

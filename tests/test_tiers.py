@@ -92,6 +92,7 @@ def test_the_ram_tier_stores_reads_and_prefetches_into_the_slots():
         tier.write(seq, 0, k[seq, :, :20], v[seq, :, :20])
         tier.write(seq, 20, k[seq, :, 20:], v[seq, :, 20:])
     assert torch.equal(tier.read_range(5, 30)[0], k[:, :, 5:30]) and torch.equal(tier.keys(), k)
+    assert torch.equal(tier.read_range(5, 30, [1])[1], v[1:, :, 5:30])  # one sequence's
     new_k, new_v = torch.randn(b, n_kv, d, generator=g), torch.randn(b, n_kv, d, generator=g)
     kappa = Kappa(
         torch.randint(0, t, (b, n_kv, 3), generator=g), torch.rand(b, n_kv, 3, generator=g) < 0.5
