@@ -39,6 +39,8 @@ from torch import Tensor
 from generation import prefill_rows, sample
 from model import Mask, Transformer
 
+PREFILL_CHUNK = 256  # serve.py's --prefill_chunk default: a turn beside running answers stays short
+
 
 class Packed(nn.Module):
     """One layer's attention over several sequences' rows in one pass: the pass's rows (1, N) are

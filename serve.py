@@ -59,7 +59,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from batching import Engine, QueueFull
+from batching import PREFILL_CHUNK, Engine, QueueFull
 from checkpoint import UserError, load_model, load_tokenizer, resolve_checkpoint
 from openai_api import APIError, ChatRequest, CompletionRequest, Sampling, validation_message
 from options import (
@@ -72,8 +72,6 @@ from options import (
     validate_cache_args,
 )
 from tokenizer import IncrementalText, Tokenizer
-
-PREFILL_CHUNK = 256  # --prefill_chunk's default here: a turn beside running answers stays short
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,12 +28,8 @@ Reported: the short requests' median time to first token (the first text chunk),
 and generated tokens/s over the run's wall-clock; continuous over static in the ratio columns; and
 from the server's /health, how full its batch ran: the sequences a decode step advanced on average,
 and the share of the worker's busy time spent in passes that held a prompt chunk (a cost both
-batchings pay in full). 'at a full batch' estimates what continuous batching could reach on this
-machine and workload if every decode-only pass had carried 8 sequences: the run's wall-clock less
-the busy seconds of passes without a prompt chunk times (1 - sequences per step / 8), at the same
-cost per pass (a pass costs more as it fills, so this leans high). Clients that wait for each
-answer keep a joining sequence out of the decode steps, so no scheduler reaches it; where it falls
-short of a target, that target is out of reach here.
+batchings pay in full), and 'at a full batch', an estimate of what continuous batching could reach
+there (scripts/bench_batching.py says how; it runs the same load in one process, without HTTP).
 With --repeats N, the pair runs N times in turn, each continuous run's ratios are over the static
 run just before it, and a second table gives their median and range: how full a static batch runs
 depends on when requests happen to arrive, so one pair's ratio varies from run to run.
@@ -62,12 +58,12 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from caches import parse_method  # noqa: E402
+from scripts.bench_batching import MIXED_BATCH, health_figures, mixed_report  # noqa: E402
 from checkpoint import resolve_checkpoint  # noqa: E402
 from scripts.harness import write_report  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MIXED_BATCH = 8  # mixed: the clients, and both servers' --max_batch_size
 SENTENCES = (
     "The river runs past the old mill and under the stone bridge. ",
     "Children play by the water in summer. ",
@@ -284,64 +280,21 @@ def mixed(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[s
                 tokens_per_s=sum(d["tokens"] for d in done) / wall,
                 short_ttft_median_s=statistics.median(short),
                 long_ttft_median_s=statistics.median(long),
-                sequences_per_step=health["sequences_per_step_mean"],
-                prompt_pass_share=health["prompt_pass_s"] / health["busy_s"],
-                decode_only_s=health["busy_s"] - health["prompt_pass_s"],
+                **health_figures(health),
             )
         )
         print(f"{method} {batching}: {rows[-1]}", file=sys.stderr, flush=True)
-    static = {(r["method"], r["run"]): r for r in rows if r["batching"] == "static"}
-    for r in rows:
-        base = static[r["method"], r["run"]]
-        r["tokens_per_s_ratio"] = r["tokens_per_s"] / base["tokens_per_s"]
-        r["short_ttft_ratio"] = r["short_ttft_median_s"] / base["short_ttft_median_s"]
-        if r["batching"] == "continuous":
-            emptier = r["decode_only_s"] * (1 - r["sequences_per_step"] / MIXED_BATCH)
-            r["full_batch_ratio"] = r["tokens_per_s_ratio"] * r["wall_s"] / (r["wall_s"] - emptier)
     chunks = "serve.py's prefill chunks"
     if args.prefill_chunk:
         chunks = f"prefill chunks of {args.prefill_chunk}"
-    lines = [
+    header = (
         f"{checkpoint.parent.name}, {args.mixed_requests} streamed completions from "
         f"{MIXED_BATCH} clients, every 4th with a {args.prompt_tokens}-token prompt and the rest "
         f"{args.short_tokens}, answers of {args.answer_tokens[0]}-{args.answer_tokens[1]} tokens, "
         f"greedy, batches of {MIXED_BATCH}, eager, {args.dtype}, context {context}, {chunks}; "
-        "ratios: continuous over static for the same method, in the same run",
-        "",
-        "| method | run | batching | wall s | tok/s | short TTFT median s | long TTFT median s | "
-        "tok/s ratio | short TTFT ratio | sequences per step | time in prompt passes | "
-        "tok/s ratio at a full batch |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        full_batch = "" if r["batching"] == "static" else f"{r['full_batch_ratio']:.2f}x"
-        lines.append(
-            f"| {r['method']} | {r['run']} | {r['batching']} | {r['wall_s']:.1f} | "
-            f"{r['tokens_per_s']:.1f} | {r['short_ttft_median_s']:.2f} | "
-            f"{r['long_ttft_median_s']:.2f} | {r['tokens_per_s_ratio']:.2f}x | "
-            f"{r['short_ttft_ratio']:.2f}x | {r['sequences_per_step']:.1f} | "
-            f"{r['prompt_pass_share']:.0%} | {full_batch} |"
-        )
-    if args.repeats > 1:
-        lines += [
-            "",
-            "Continuous over static, over the runs (the static batch's fill varies from run to run "
-            "with when requests arrive):",
-            "",
-            "| method | tok/s ratio, median | lowest | highest | short TTFT ratio, median | "
-            "at a full batch, median |",
-            "|---|---|---|---|---|---|",
-        ]
-        for method in args.methods:
-            ours = [r for r in rows if r["method"] == method and r["batching"] == "continuous"]
-            speed = [r["tokens_per_s_ratio"] for r in ours]
-            ttft = statistics.median(r["short_ttft_ratio"] for r in ours)
-            full_batch = statistics.median(r["full_batch_ratio"] for r in ours)
-            lines.append(
-                f"| {method} | {statistics.median(speed):.2f}x | {min(speed):.2f}x | "
-                f"{max(speed):.2f}x | {ttft:.2f}x | {full_batch:.2f}x |"
-            )
-    return "\n".join(lines), dict(rows=rows)
+        "ratios: continuous over static for the same method, in the same run"
+    )
+    return mixed_report(rows, header, args.methods, args.repeats), dict(rows=rows)
 
 
 def turns(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[str, dict]:

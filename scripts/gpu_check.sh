@@ -10,12 +10,16 @@
 #     synchronous fetch inside each layer), not speculative, and with each fetch waited for (each
 #     method and length is a compile of its own, so one length keeps this inside the time); then the
 #     largest batch at 32k (up to 16) of the full cache and SpeCache 1-bit, and its tok/s;
-#  3. on a machine with two GPUs or more, tensor parallelism over NCCL: two ranks (cuda:0, cuda:1) against
+#  3. serving: serve.py's engine in one process (no HTTP stack there), static against continuous
+#     batching on the mixed load, SmolLM2's shape with random weights, the full cache and SpeCache
+#     1-bit (their sequences a row each of one cache; scripts/bench_batching.py);
+#  4. on a machine with two GPUs or more, tensor parallelism over NCCL: two ranks (cuda:0, cuda:1) against
 #     one GPU, the logits and greedy tokens of every cache on a tiny random model (tests/test_tp.py);
 #     skipped with one GPU.
 # Usage on a lent GPU machine, from the repository root:  bash scripts/gpu_check.sh
 # Results go to $OUT (or ./out when OUT is unset): environment.txt, cuda_tests.txt, bench.log and
-# bench/bench.{md,json,png}, tp_two_gpus.txt.
+# bench/bench.{md,json,png}, max_batch.log, batching.log and batching/batching.{md,json},
+# tp_two_gpus.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-out}"
@@ -43,6 +47,11 @@ timeout 120 python scripts/bench.py --device cuda --random_weights Meta-Llama-3-
   --max_batch --max_batch_cap 16 --out "$out/max_batch" 2>&1 | tee "$out/max_batch.log"
 largest=${PIPESTATUS[0]}
 
+timeout 100 python scripts/bench_batching.py --device cuda --random_weights SmolLM2-135M \
+  --dtype bfloat16 --requests 16 --answer_tokens 16 64 --out "$out/batching" 2>&1 \
+  | tee "$out/batching.log"
+batching=${PIPESTATUS[0]}
+
 two_gpus=0
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   timeout 120 python -m pytest -q -p no:cacheprovider tests/test_tp.py -k two_gpus 2>&1 | tee "$out/tp_two_gpus.txt"
@@ -51,5 +60,7 @@ else
   echo "skipped: fewer than two GPUs" | tee "$out/tp_two_gpus.txt"
 fi
 
-echo "tests $tests, bench $bench, max batch $largest, two GPUs $two_gpus" | tee "$out/status.txt"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$largest" -eq 0 ] && [ "$two_gpus" -eq 0 ]
+echo "tests $tests, bench $bench, max batch $largest, batching $batching, two GPUs $two_gpus" \
+  | tee "$out/status.txt"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$largest" -eq 0 ] && [ "$batching" -eq 0 ] \
+  && [ "$two_gpus" -eq 0 ]

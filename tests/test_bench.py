@@ -1,4 +1,5 @@
-"""scripts/bench.py's parts that decide figures: the largest-batch search and the report tables."""
+"""The benchmarks' parts that decide figures: bench.py's largest-batch search and report tables,
+bench_batch_step.py's timings, the mixed load's report (bench_batching.py)."""
 
 import pytest
 
@@ -12,6 +13,7 @@ from scripts.bench import (
     table,
 )
 from scripts.bench_batch_step import engine_step_seconds, one_cache_step_seconds
+from scripts.bench_batching import mixed_report
 from scripts.harness import Runner
 
 
@@ -121,3 +123,23 @@ def test_bench_batch_step_times_steps_of_the_whole_batch(method):
     for timing in (engine_step_seconds, one_cache_step_seconds):
         seconds = timing(model, method, prompts, 128, 4)
         assert 0 < seconds < 10
+
+
+def test_the_mixed_load_report_gives_ratios_over_the_static_run_and_at_a_full_batch():
+    """Continuous over static of the same method and run; at a full batch, the continuous run's
+    wall-clock less what its decode-only passes would not have taken with 8 sequences each: 40 s
+    of them at 6 sequences a step, 10 s less, 80 -> 70 s."""
+    figures = dict(short_ttft_median_s=1.0, long_ttft_median_s=2.0, prompt_pass_share=0.5)
+    rows = [
+        dict(method="m", run=1, batching="static", wall_s=100.0, tokens_per_s=10.0, **figures),
+        dict(method="m", run=1, batching="static", wall_s=50.0, tokens_per_s=20.0, **figures),
+        dict(method="m", run=1, batching="continuous", wall_s=80.0, tokens_per_s=12.5, **figures),
+    ]
+    rows[1]["run"] = 2  # another run's static: not this continuous run's baseline
+    for row, steps in zip(rows, (3.0, 3.0, 6.0)):
+        row.update(sequences_per_step=steps, decode_only_s=40.0)
+    report = mixed_report(rows, "header", ["m"], repeats=1)
+    continuous = rows[2]
+    assert continuous["tokens_per_s_ratio"] == pytest.approx(1.25)
+    assert continuous["full_batch_ratio"] == pytest.approx(1.25 * 80 / 70)
+    assert "| m | 1 | continuous | 80.0 | 12.5 |" in report and "| 1.43x |" in report
