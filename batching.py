@@ -249,6 +249,8 @@ class Engine:
         self.kept.clear()
         for slot in self.free:
             slot.cache.finish()
+        if self.shared is not None:
+            self.shared.finish()  # its last moves in the background land
         self.free.clear()
 
     def submit(self, job) -> None:
@@ -303,7 +305,12 @@ class Engine:
         else:  # a free row is there: rows are as many as sequences may run
             slot = self.free.pop() if self.free else self._new_slot()
             if kept is not None:
-                self.shared.restore_row(slot.row, kept.saved)
+                try:
+                    self.shared.restore_row(slot.row, kept.saved)
+                except Exception as error:  # this request fails; the row is free again
+                    self.free.append(slot)
+                    job.fail(f"{type(error).__name__}: {error}")
+                    return
         device = self.model.tok_embeddings.weight.device
         seed = job.sampling[2]
         generator = None
@@ -522,22 +529,30 @@ class Engine:
             self._retire(seq)
 
     def _retire(self, seq: Sequence) -> None:
-        slot = seq.slot
-        if seq.job.keep and self.chunks:
-            # the cache holds the prompt and every sampled token but the last (chat.py's rule)
-            ids = list(seq.job.prompt_ids) + seq.sampled[:-1]
-            if slot.row is None:
-                slot.cache.finish(keep=True)
-                slot.ids = ids
-                self.kept.keep(slot)
+        try:
+            if seq.job.keep and self.chunks:
+                self._keep(seq)
             else:
-                if self.kept.budget > 0:  # no copy where none is kept
-                    self.kept.keep(SavedRow(ids, self.shared.save_row(slot.row, len(ids))))
-                self._release(slot)
-        else:
-            self._release(slot)
+                self._release(seq.slot)
+        except Exception as error:  # a move in the background failed: the answer stands, unkept
+            print(f"error: a finished sequence's cache was not kept: {error}", flush=True)
+            self._drop(seq)
         self.finished_jobs += 1
         self.decoding.remove(seq)  # last: a sequence counts as running until its cache is put away
+
+    def _keep(self, seq: Sequence) -> None:
+        """A finished conversation's cache goes into the kept ones (a row, copied out first)."""
+        slot = seq.slot
+        # the cache holds the prompt and every sampled token but the last (chat.py's rule)
+        ids = list(seq.job.prompt_ids) + seq.sampled[:-1]
+        if slot.row is None:
+            slot.cache.finish(keep=True)
+            slot.ids = ids
+            self.kept.keep(slot)
+        else:
+            if self.kept.budget > 0:  # no copy where none is kept
+                self.kept.keep(SavedRow(ids, self.shared.save_row(slot.row, len(ids))))
+            self._release(slot)
 
     def _drop(self, seq: Sequence) -> None:
         """A cache left in an unknown state by an error: its files go, the cache is not reused (a

@@ -218,8 +218,8 @@ class FullCache:
         return [partial(decode_on_rows, layer, at) for layer in self.layers]
 
     def save_row(self, index: int, n: int) -> list[Tensor]:
-        """Every layer's K and V of row `index` up to position n, copied out."""
-        return [x[index, :, :n].clone() for x in self._buffers()]
+        """Every layer's K and V of row `index` up to position n, copied out to host RAM."""
+        return [x[index, :, :n].to("cpu", copy=True) for x in self._buffers()]
 
     def restore_row(self, index: int, saved: list[Tensor]) -> None:
         """`save_row`'s copy into row `index`."""

@@ -248,10 +248,13 @@ class DiskTier:
             -1, self.n_kv_heads, 2, self.head_dim
         )
 
-    def reset(self) -> None:
+    def reset(self, rows: Optional[list[int]] = None) -> None:
+        """A generation begins (on `rows`): nothing in flight, nothing held (a read holds the
+        whole batch's pairs, so a row's reset forgets them all)."""
         self.pending = None
         self.held = dict.fromkeys(self.held)
-        self.bytes_read = 0
+        if rows is None:
+            self.bytes_read = 0
 
     def nbytes(self) -> int:
         return self.batch * self.capacity * self.position_bytes

@@ -281,8 +281,8 @@ class SlowTier(Protocol):
     calls, over a generation: reset; write (the prompt, in one piece or in chunks); read_range (a
     chunk's history); then per pass before_step, read (the real row's picks), after_step."""
 
-    def reset(self) -> None:
-        """A generation begins: nothing held, nothing in flight."""
+    def reset(self, rows: Optional[list[int]] = None) -> None:
+        """A generation begins (on `rows` only, see "rows"): nothing in flight, nothing held."""
 
     def write(self, b: int, start: int, k: Tensor, v: Tensor) -> None:
         """Sequence b's pairs k, v (Hkv, N, D) at positions [start, start + N)."""
@@ -1290,7 +1290,7 @@ class RamTier:
         self.k = torch.zeros(spec.shape, dtype=spec.dtype)
         self.v = torch.zeros(spec.shape, dtype=spec.dtype)
 
-    def reset(self) -> None:
+    def reset(self, rows: Optional[list[int]] = None) -> None:
         pass
 
     def write(self, b: int, start: int, k: Tensor, v: Tensor) -> None:
@@ -1494,10 +1494,10 @@ class PinnedTier:
             self.prefetch_k = torch.zeros(pair_shape, dtype=spec.dtype, pin_memory=True)
             self.prefetch_v = torch.zeros(pair_shape, dtype=spec.dtype, pin_memory=True)
 
-    def reset(self) -> None:
+    def reset(self, rows: Optional[list[int]] = None) -> None:
         self.before_step()
-        if self.spec.slots is not None:
-            self.held_valid.zero_()
+        if self.spec.slots is not None:  # the other rows' staged pairs are still theirs
+            self.held_valid[slice(None) if rows is None else rows] = False
 
     def write(self, b: int, start: int, k: Tensor, v: Tensor) -> None:
         """Copy out on the side stream, keeping the source alive until the copy is done."""
@@ -1846,7 +1846,7 @@ class SpeCacheLayer(nn.Module):
     def reset(self, rows: Optional[list[int]] = None) -> None:
         """A generation starts (in `rows` only: see "rows"): nothing fetched, chosen or counted
         yet."""
-        self.tier.reset()  # first: a prefetch in flight lands before the slots are cleared
+        self.tier.reset(rows)  # first: a prefetch in flight lands before the slots are cleared
         rows = slice(None) if rows is None else rows
         self.fetched_valid[rows, :, self.n_sinks :] = False
         self.kappa_valid[rows] = False
@@ -2350,7 +2350,8 @@ class SpeCache:
     # costs the kernels next to nothing, and the step writes nothing of it (`write_moved`, and the
     # slow tier takes the moved rows' real rows only). Its prefetch slots are filled again from
     # its kappa, which the step left as it was: the pairs they hold already. A kept row is copied
-    # out of the tiers and back (`save_row`), once the copies beside a GPU have landed.
+    # out of the tiers to host RAM and back into a row reset anew (`save_row`, `restore_row`), once
+    # the moves in the background have landed.
 
     def row(self, b: int) -> list[nn.Module]:
         """Row b's module for each layer: plugged in for its prompt's chunks and its bootstrap."""
@@ -2420,13 +2421,15 @@ class SpeCache:
     def save_row(self, b: int, n: int) -> list[Tensor]:
         """What row b holds, its n tokens, copied out (a kept conversation, whose row then serves
         another sequence): the tokens, and each layer's low-bit copy, window, sinks and slow tier
-        up to them, so a copy costs what it holds."""
+        up to them, so a copy costs what it holds, in host RAM."""
         if n != self.state.held()[b]:
             raise ValueError(f"row {b} holds {self.state.held()[b]} tokens, not {n}")
         self._settle()
-        saved = [self.token_history[b, :n].clone()]
-        for layer in self.layers:
-            saved += [buffer[b, :, :end].clone() for buffer, end in self._row_parts(layer, n)]
+        saved = [self.token_history[b, :n].to("cpu", copy=True)]
+        for layer in self.layers:  # to host RAM, whatever device a buffer is on
+            saved += [
+                buffer[b, :, :end].to("cpu", copy=True) for buffer, end in self._row_parts(layer, n)
+            ]
         return saved
 
     def restore_row(self, b: int, saved: list[Tensor]) -> None:
@@ -2434,6 +2437,8 @@ class SpeCache:
         history, *parts = saved
         n = history.shape[0]
         self._settle()  # no copy in flight may land on the row afterwards
+        for layer in self.layers:  # nothing fetched or chosen for it: it begins anew
+            layer.reset([b])
         self.token_history[b, :n] = history
         self.state.host_quantized_len[b], self.state.host_window_len[b] = self.state.split(n)
         parts = iter(parts)

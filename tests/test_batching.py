@@ -456,3 +456,34 @@ def test_an_error_in_a_pass_fails_the_requests_in_it_and_the_engine_goes_on(monk
     engine.submit(after)
     assert after.result() == alone(model, "full", {}, after.prompt_ids, 4)[0]
     assert settled(engine)["running"] == 0
+
+
+def test_a_conversation_that_cannot_be_kept_or_restored_fails_no_more_than_its_request():
+    """Copying a finished conversation out of its row, or back into one, can fail (beside a GPU,
+    a move in the background that failed surfaces there): the answer already given stands, the
+    request whose conversation does not come back fails alone, and the engine goes on."""
+    model = tiny_model()
+    engine = engine_for(model, "full", {}, max_batch_size=2, keep_bytes=10**9)
+    shared = engine.shared
+
+    def broken(*args):
+        raise RuntimeError("a copy failed")
+
+    shared.save_row = broken
+    turn1 = Collect(prompts(1)[0], 6, keep=True)
+    engine.submit(turn1)
+    answer1 = turn1.result()  # answered; the conversation is not kept
+    assert settled(engine)["kept_conversations"] == 0
+    del shared.save_row
+    engine.submit(turn1 := Collect(prompts(1)[0], 6, keep=True))
+    assert turn1.result() == answer1 and settled(engine)["kept_conversations"] == 1
+    shared.restore_row = broken
+    turn2 = Collect(turn1.prompt_ids + answer1[:-1] + [answer1[-1], 5], 4, keep=True)
+    engine.submit(turn2)
+    assert turn2.done.wait(60) and "a copy failed" in turn2.error
+    del shared.restore_row
+    after = Collect(prompts(1, seed=5)[0], 4)
+    engine.submit(after)
+    assert after.result() == alone(model, "full", {}, after.prompt_ids, 4)[0]
+    health = settled(engine)
+    assert health["running"] == 0 and len(engine.free) == 2

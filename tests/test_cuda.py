@@ -200,35 +200,56 @@ def test_quantized_linears_on_cuda_match_their_references():
 
 
 @pytest.mark.parametrize("name", ["full", "specache"])
-def test_the_engine_on_cuda_shares_one_cache_a_row_each(name):
+def test_the_engine_on_cuda_shares_one_cache_a_row_each(name, monkeypatch):
     """serve.py's engine on the GPU, its sequences a row each of one cache (SpeCache's slow tier
-    pinned in host RAM, its real rows written and its prefetches fetched on side streams): six
-    requests through a batch of 3 answer what generate answers for each prompt alone on the GPU.
-    A kept conversation is copied out of its row once the copies in flight have landed, other
-    prompts overwrite the row, and it continues from a copy back as generate continues a kept
-    cache."""
+    pinned in host RAM, its real rows written and its prefetches fetched on side streams, each
+    fetch slowed down here so that more of them are in flight when the host moves rows). A
+    conversation is kept (copied out of its row once the moves in flight have landed); six
+    requests through a batch of 3 overwrite its row and answer what generate answers for each
+    prompt alone on the GPU; the conversation then continues from a copy back, beside other
+    requests, as generate continues a kept cache."""
+    import time
+
     from test_batching import METHODS, Collect, alone, engine_for, prompts, settled
 
+    real_fetch = specache.PinnedTier._fetch
+
+    def slow_fetch(tier, *args):
+        time.sleep(0.002)
+        return real_fetch(tier, *args)
+
+    monkeypatch.setattr(specache.PinnedTier, "_fetch", slow_fetch)
     method, options = METHODS[name]
     model = tiny_model().cuda()
     engine = engine_for(model, method, options, max_batch_size=3, keep_bytes=10**9)
-    assert engine.shared is not None
-    turn1 = Collect(prompts(1)[0], 8, keep=True)
-    engine.submit(turn1)
-    answer1 = turn1.result()
-    jobs = [Collect(p, 6 + 5 * i) for i, p in enumerate(prompts(6))]
-    for job in jobs:
-        engine.submit(job)
-    answers = [job.result() for job in jobs]
-    settled(engine)
-    references = [alone(model, method, options, job.prompt_ids, job.max_tokens)[0] for job in jobs]
-    assert answers == references
-    held = len(turn1.prompt_ids) + len(answer1) - 1
-    new = [answer1[-1], 5, 6, 7]
-    turn2 = Collect(turn1.prompt_ids + answer1[:-1] + new, 8, keep=True)
-    engine.submit(turn2)
-    answer2 = turn2.result()
-    assert turn2.reused == held
-    _, cache = alone(model, method, options, turn1.prompt_ids, 8)
-    assert answer2 == alone(model, method, options, new, 8, held=held, cache=cache)[0]
-    engine.close()
+    try:
+        assert engine.shared is not None
+        if name == "specache":
+            assert isinstance(engine.shared.layers[0].tier, specache.PinnedTier)
+        turn1 = Collect(prompts(1)[0], 8, keep=True)
+        engine.submit(turn1)
+        answer1 = turn1.result()
+        held = len(turn1.prompt_ids) + len(answer1) - 1
+        jobs = [Collect(p, 6 + 5 * i) for i, p in enumerate(prompts(6))]
+        for job in jobs:
+            engine.submit(job)
+        answers = [job.result() for job in jobs]
+        settled(engine)
+        references = [
+            alone(model, method, options, job.prompt_ids, job.max_tokens)[0] for job in jobs
+        ]
+        assert answers == references
+        new = [answer1[-1], 5, 6, 7]
+        turn2 = Collect(turn1.prompt_ids + answer1[:-1] + new, 8, keep=True)
+        beside = [Collect(p, 12) for p in prompts(2, seed=3)]
+        for job in [beside[0], turn2, beside[1]]:
+            engine.submit(job)
+        answer2 = turn2.result()
+        assert [job.result() for job in beside] == [
+            alone(model, method, options, job.prompt_ids, 12)[0] for job in beside
+        ]
+        assert turn2.reused == held
+        _, cache = alone(model, method, options, turn1.prompt_ids, 8)
+        assert answer2 == alone(model, method, options, new, 8, held=held, cache=cache)[0]
+    finally:
+        engine.close()
