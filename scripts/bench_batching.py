@@ -80,6 +80,16 @@ class Request:
         self.done.set()
 
 
+def mixed_request(
+    i: int, long_tokens: int, short_tokens: int, answer_tokens: list[int]
+) -> tuple[bool, int, int]:
+    """Request i of the mixed load: (long, its prompt's tokens, its answer's tokens). Every 4th has
+    a long prompt; each answer's length is drawn between the two `answer_tokens` bounds, seeded by
+    i, so that both batchings (and bench_serve.py's servers) take the same requests."""
+    long = i % 4 == 0
+    return long, long_tokens if long else short_tokens, random.Random(i).randint(*answer_tokens)
+
+
 def health_figures(health: dict) -> dict:
     """How full a run's batch ran, from its engine's health (/health): what `mixed_report` reads."""
     return dict(
@@ -154,11 +164,12 @@ def one_run(args, model, method: str, batching: str, context: int) -> dict:
     vocab = model.config.vocab_size
 
     def ask(i: int) -> dict:
-        long = i % 4 == 0
-        size = args.prompt_tokens if long else args.short_tokens
+        long, size, answer = mixed_request(
+            i, args.prompt_tokens, args.short_tokens, args.answer_tokens
+        )
         generator = torch.Generator().manual_seed(5000 + i)
         prompt = torch.randint(100, vocab - 100, (size,), generator=generator).tolist()
-        request = Request(prompt, random.Random(i).randint(*args.answer_tokens))
+        request = Request(prompt, answer)
         submitted = time.perf_counter()
         engine.submit(request)
         request.done.wait()

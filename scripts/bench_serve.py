@@ -44,7 +44,6 @@ second turn's time to first token, and the prompt tokens the server reused.
 
 import argparse
 import itertools
-import random
 import statistics
 import subprocess
 import sys
@@ -58,7 +57,12 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from caches import parse_method  # noqa: E402
-from scripts.bench_batching import MIXED_BATCH, health_figures, mixed_report  # noqa: E402
+from scripts.bench_batching import (  # noqa: E402
+    MIXED_BATCH,
+    health_figures,
+    mixed_report,
+    mixed_request,
+)
 from checkpoint import resolve_checkpoint  # noqa: E402
 from scripts.harness import write_report  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
@@ -248,14 +252,14 @@ def mixed(args, checkpoint: Path, tokenizer, context: int, log: Path) -> tuple[s
         model = client.models.list().data[0].id
 
         def ask(i: int) -> dict:
-            long = i % 4 == 0
-            size = args.prompt_tokens if long else args.short_tokens
-            prompt = prompt_text(tokenizer, size, 5000 + i)
+            long, size, answer = mixed_request(
+                i, args.prompt_tokens, args.short_tokens, args.answer_tokens
+            )
             ttft, tokens, _ = timed_stream(
                 client.completions.create,
                 model=model,
-                prompt=prompt,
-                max_tokens=random.Random(i).randint(*args.answer_tokens),
+                prompt=prompt_text(tokenizer, size, 5000 + i),
+                max_tokens=answer,
             )
             return dict(long=long, ttft=ttft, tokens=tokens)
 
