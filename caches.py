@@ -44,17 +44,11 @@ from disk_tier import DiskFolder, DiskTier
 from eviction import EvictionCache, EvictionConfig, EvictionLayer, EvictionState
 from kernels import cpu_ops, dense_cpu, lowbit_cpu, lowbit_int_cpu, lowbit_triton, rank_cpu
 from model import FLEX_BLOCK_SIZE, KVCache, RingKVCache, Transformer
-from specache import (
-    Method,
-    Placement,
-    Selection,
-    SpeCache,
-    SpeCacheConfig,
-    SpeCacheLayer,
-    SpeCacheState,
-    sixteen_bit_dtype,
-    step_attention_reference,
-)
+import specache.rows
+from specache import Method, Placement, Selection, SpeCache, SpeCacheConfig, SpeCacheLayer
+from specache.lowbit import sixteen_bit_dtype
+from specache.state import SpeCacheState
+from specache.step import step_attention_reference
 from specache_stats import Diagnostics, cache_stats, step_bytes
 
 try:
@@ -372,11 +366,23 @@ class PluggedSpeCache(SpeCache):
         """The cache methods of the sequence on row `index`."""
         return SpeCacheRow(self, index)
 
+    def row(self, index: int) -> list[torch.nn.Module]:
+        """Row `index`'s module for each layer, for its prompt's chunks and its bootstrap."""
+        return SpeCacheRow(self, index).layers()
+
     def decode_steps(self, rows: list[int]) -> list[Callable[..., Tensor]]:
         """For each layer, the attention of one pass's decode steps of the sequences on `rows`
         (their rows first in the pass, in this order): `step_on_rows`."""
-        self.move_rows(rows)
-        return [layer.step_on_rows for layer in self.layers]
+        specache.rows.move_rows(self, rows)
+        return [partial(specache.rows.step_on_rows, layer) for layer in self.layers]
+
+    def save_row(self, index: int, n: int) -> list[Tensor]:
+        """What row `index` holds, its n tokens, copied out to host RAM."""
+        return SpeCacheRow(self, index).save(n)
+
+    def restore_row(self, index: int, saved: list[Tensor]) -> None:
+        """`save_row`'s copy into row `index`."""
+        SpeCacheRow(self, index).restore(saved)
 
     def begin(self, tokens: Tensor, lengths: Tensor, held: int = 0) -> None:
         if held and self.folder is not None and self.folder.path is None:
@@ -418,35 +424,14 @@ class PluggedSpeCache(SpeCache):
         return cache_stats(self, steps)
 
 
-class SpeCacheRow:
+class SpeCacheRow(specache.SpeCacheRow):
     """A cache's methods (as the module docstring lists them) for the sequence on row `index` of a
-    PluggedSpeCache that sequences share a row each: specache.py's row methods."""
+    PluggedSpeCache that sequences share a row each (specache/rows.py)."""
 
     chunks = True
 
-    def __init__(self, cache: PluggedSpeCache, index: int):
-        self.cache, self.index = cache, index
-
-    def begin(self, tokens: Tensor, lengths: Tensor, held: int = 0) -> None:
-        self.cache.begin_row(self.index, tokens[:, : int(lengths[0])], held)
-
-    def bootstrap(self, model: Transformer, first: Tensor, pos: Tensor) -> None:
-        self.cache.bootstrap_row(self.index, model, first, pos)
-
-    def step_rows(self, token: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
-        return self.cache.step_rows_of(self.index, token, pos)
-
-    def stepped(self, logits: Tensor) -> Tensor:
-        return self.cache.stepped_row(self.index, logits)
-
-    def sampled(self, token: Tensor) -> None:
-        self.cache.sampled_row(self.index, token)
-
-    def finish(self, keep: bool = False) -> None:
-        pass  # a prefetch in flight lands at the next step, or before the tiers are read or reset
-
     def stats(self, steps: int) -> dict:
-        return cache_stats(self.cache, steps, row=self.index)
+        return cache_stats(self.cache, steps, row=self.b)
 
 
 # --- by name ---------------------------------------------------------------------------------

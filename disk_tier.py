@@ -44,7 +44,8 @@ from typing import NamedTuple, NoReturn, Optional
 import torch
 from torch import Tensor
 
-from specache import Kappa, TierSpec, held_match
+from specache import Kappa, TierSpec
+from specache.tiers import held_match
 
 # Reads in flight: this box's virtio disk did 12k random 4 KiB reads/s with one, about 50k with 16.
 IO_THREADS = 16

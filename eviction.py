@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from specache import sixteen_bit_dtype
+from specache.lowbit import sixteen_bit_dtype
 from model import CAUSAL_PROMPT, CausalPrompt, RingKVCache, Transformer, attention
 from specache_stats import sixteen_bit_cache_bytes
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import linear_cpu
-from specache import pack_bits, unpack_bits
+from specache.lowbit import pack_bits, unpack_bits
 from model import Linear, Transformer, linear
 
 QUANTIZED_NAME = re.compile(r"model_(int8|int4)(?:\.g(\d+))?\.pth$")

@@ -19,11 +19,11 @@ import torch
 from torch import Tensor
 
 from model import Transformer
-from specache import (
+from specache import SpeCacheLayer
+from specache.ops import (
     LowBitPart,
     Merged,
     Segments,
-    SpeCacheLayer,
     lowbit_partial_attention,
     merge_segments,
     position_weights,

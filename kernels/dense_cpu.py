@@ -362,7 +362,7 @@ def _serve_merge(lib: ctypes.CDLL, *inputs: Tensor) -> MergeOutputs:
     rows = inputs[0]
     if rows.shape[2] <= MAX_ROWS and rows.shape[3] <= MAX_HEAD_DIM:
         return run_merge_kernel(lib, *inputs)
-    return specache.merge_segments_reference(*inputs)
+    return specache.ops.merge_segments_reference(*inputs)
 
 
 @lru_cache(maxsize=None)
@@ -373,7 +373,7 @@ def register_merge() -> bool:
     if lib is None:
         return False
     if not cpu_ops.hand_over(
-        "merge_segments", lib.merge_segments, specache.merge_segments_reference
+        "merge_segments", lib.merge_segments, specache.ops.merge_segments_reference
     ):
         torch.library.register_kernel("specache::merge_segments", "cpu", partial(_serve_merge, lib))
     return True

@@ -35,7 +35,7 @@ from torch import Tensor
 
 import specache
 from kernels import cpu_build, cpu_ops
-from specache import SCALE_DTYPES, LowBitKV, value_group
+from specache.lowbit import SCALE_DTYPES, LowBitKV, value_group
 
 SOURCE = Path(__file__).with_name("lowbit_cpu.c")
 FLAGS = cpu_build.FLAGS
@@ -254,6 +254,6 @@ def register() -> bool:
     return register_build(
         SOURCE,
         "lowbit_partial_attention",
-        specache.lowbit_partial_attention_reference,
+        specache.ops.lowbit_partial_attention_reference,
         "the CPU low-bit kernel is unavailable, the reference serves",
     )

@@ -27,7 +27,7 @@ from torch import Tensor
 
 import specache
 from kernels import cpu_build, lowbit_cpu
-from specache import LowBitKV
+from specache.lowbit import LowBitKV
 
 SOURCE = Path(__file__).with_name("lowbit_int_cpu.c")
 FUNCTION = "lowbit_partial_attention_int8"
@@ -73,6 +73,6 @@ def register() -> bool:
     return lowbit_cpu.register_build(
         SOURCE,
         FUNCTION,
-        specache.lowbit_partial_attention_int8_reference,
+        specache.ops.lowbit_partial_attention_int8_reference,
         "the CPU integer kernel is unavailable, its twin serves",
     )

@@ -244,7 +244,7 @@ def _serve(*inputs) -> Outputs:
     rows, bits, group = inputs[0], inputs[7], inputs[8]
     if supports(rows, bits, group):
         return run_kernels(*inputs)
-    return specache.lowbit_partial_attention_reference(*inputs)
+    return specache.ops.lowbit_partial_attention_reference(*inputs)
 
 
 @lru_cache(maxsize=None)

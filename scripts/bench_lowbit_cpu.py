@@ -28,13 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_peers import measure_read_bandwidth  # noqa: E402
 from kernels import lowbit_cpu, lowbit_int_cpu  # noqa: E402
-from specache import (  # noqa: E402
-    LowBitKV,
-    lowbit_partial_attention_int8_reference,
-    lowbit_partial_attention_reference,
-    quantize_keys,
-    quantize_values,
-)
+from specache.ops import lowbit_partial_attention_int8_reference  # noqa: E402
+from specache.lowbit import LowBitKV, quantize_keys, quantize_values  # noqa: E402
+from specache.ops import lowbit_partial_attention_reference  # noqa: E402
 
 SHAPES = {"SmolLM2": (3, 6, 64), "Llama-3-8B": (8, 8, 128)}  # KV heads, rows per KV head, head_dim
 GROUP, EXCLUDED = 64, 64

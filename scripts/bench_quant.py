@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels import linear_cpu  # noqa: E402
-from specache import unpack_bits  # noqa: E402
+from specache.lowbit import unpack_bits  # noqa: E402
 from model import linear  # noqa: E402
 from quantize import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8  # noqa: E402
 

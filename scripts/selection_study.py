@@ -64,13 +64,13 @@ from checkpoint import load_model, resolve_checkpoint  # noqa: E402
 from scripts.harness import RESULTS_DIR, Runner, wants_chat, write_report  # noqa: E402
 from scripts.ruler import TASKS, make_sample  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
-from specache import (  # noqa: E402
+from specache.lowbit import (
     LEVELS,
     dequantize_keys,
     dequantize_values,
     quantize_keys,
     quantize_values,
-)
+)  # noqa: E402
 
 CHOICES = (
     "kivi",

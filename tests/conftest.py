@@ -214,21 +214,23 @@ def specache_kernels():
 
 @contextlib.contextmanager
 def reference_ops():
-    """specache.py's plain-PyTorch definitions serve its ops on CPUs, whatever kernels
+    """specache's plain-PyTorch definitions serve its ops on CPUs, whatever kernels
     registered."""
-    import specache
+    import specache.ops
+    import specache.step
 
+    references = {
+        "lowbit_partial_attention": specache.ops.lowbit_partial_attention_reference,
+        "lowbit_partial_attention_int8": specache.ops.lowbit_partial_attention_int8_reference,
+        "merge_segments": specache.ops.merge_segments_reference,
+        "top_positions": specache.ops.top_positions_reference,
+        "step_attention": specache.step.step_attention_reference,
+    }
     library = torch.library.Library("specache", "IMPL")
     with warnings.catch_warnings():  # torch warns that this overrides the kernels: it is meant to
         warnings.simplefilter("ignore")
-        for name in (
-            "lowbit_partial_attention",
-            "lowbit_partial_attention_int8",
-            "merge_segments",
-            "top_positions",
-            "step_attention",
-        ):
-            library.impl(name, getattr(specache, f"{name}_reference"), "CPU")
+        for name, reference in references.items():
+            library.impl(name, reference, "CPU")
     try:
         yield
     finally:

@@ -1,8 +1,8 @@
-"""A minimal gpt-fast-style Llama with SpeCache, on torch and a copy of specache.py beside it.
+"""A minimal gpt-fast-style Llama with SpeCache, on torch and a copy of specache/ beside it.
 
     python minimal_host.py job.pt    # writes job.out.pt
 
-tests/test_host.py copies this file and specache.py alone into an empty folder and runs it in a
+tests/test_host.py copies this file and specache/ alone into an empty folder and runs it in a
 fresh interpreter. The job holds the weights, the shapes, SpeCache's settings, the prompts and the
 device; the output, each sequence's greedy tokens and every pass's logits after the prefill.
 """

@@ -12,6 +12,7 @@ import caches
 from batching import Engine, Sequence, Slot
 from caches import FullCache, KernelKVCache, make_cache
 from model import KVCache
+import specache.rows
 from specache import RamTier, SpeCacheLayer
 from generation import GenerateOptions, generate
 from tests.conftest import tiny_model
@@ -247,13 +248,13 @@ def test_a_cache_in_ram_is_one_cache_shared_a_row_each(name, monkeypatch):
 
         monkeypatch.setattr(caches, "decode_on_rows", counted)
     else:
-        real = SpeCacheLayer.step_on_rows
+        real = specache.rows.step_on_rows
 
         def counted(layer, *args):
             calls.append(len(layer.state.rows))
             return real(layer, *args)
 
-        monkeypatch.setattr(SpeCacheLayer, "step_on_rows", counted)
+        monkeypatch.setattr(specache.rows, "step_on_rows", counted)
     engine = engine_for(model, method, options, max_batch_size=2, keep_bytes=10**9)
     assert engine.shared is not None and len(engine.free) == 2
     turn1 = Collect(prompts(1)[0], 8, keep=True)

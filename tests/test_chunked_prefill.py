@@ -14,7 +14,11 @@ from caches import FullCache, PluggedSpeCache, make_cache
 from conftest import specache_config, tiny_model
 from generation import GenerateOptions, generate
 from reference_decoder import ReferenceDecoder
-from specache import attention_after_history, attention_with_lse, attention_with_lse_reference
+from specache.prefill import (
+    attention_after_history,
+    attention_with_lse,
+    attention_with_lse_reference,
+)
 from test_reference_decoder import TINY_ATOL, TINY_MIN_GAP, spread_prompt
 from test_specache import HYBRID, ROOMY, SMALL, prompts_of
 

@@ -1,4 +1,4 @@
-"""integrations/hf.py: SpeCache inside HF transformers' LlamaForCausalLM (its attention-function
+"""specache.hf: SpeCache inside HF transformers' LlamaForCausalLM (its attention-function
 interface, the adapter's two-row loop) gives the greedy tokens our model gives with SpeCache on the
 same weights, k below the context, for our selection and the paper's: a tiny random Llama, and
 SmolLM2 loaded into HF from the same GGUF as ours."""
@@ -13,7 +13,7 @@ from checkpoint import load_model
 from conftest import make_tiny_hf_model, specache_config
 from convert import convert_hf_checkpoint
 from generation import generate
-from integrations import hf
+from specache import hf
 
 NEW_TOKENS = 32
 

@@ -1,8 +1,8 @@
-"""specache.py copied alone into another project: a minimal gpt-fast-style host
-(tests/minimal_host.py)
-and the copy, in an empty folder, in a fresh interpreter where this repository is not on the path.
-Its greedy tokens and logits against the independent reference decoder (tests/reference_decoder.py)
-on the same weights, k below the context, on a tiny model and on SmolLM2's weights."""
+"""The specache/ folder copied alone into another project: a minimal gpt-fast-style host
+(tests/minimal_host.py) and the copy, in an empty folder, in a fresh interpreter where this
+repository is not on the path. Its greedy tokens and logits against the independent reference
+decoder (tests/reference_decoder.py) on the same weights, k below the context, on a tiny model and
+on SmolLM2's weights."""
 
 import os
 import shutil
@@ -34,20 +34,24 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def copy_project(folder: Path) -> Path:
-    """An empty folder with specache.py and the host, nothing else of this repository."""
+    """An empty folder with the specache/ folder and the host, nothing else of this repository."""
     folder.mkdir()
-    shutil.copy(REPO_ROOT / "specache.py", folder)
+    shutil.copytree(
+        REPO_ROOT / "specache", folder / "specache", ignore=shutil.ignore_patterns("__pycache__")
+    )
     shutil.copy(REPO_ROOT / "tests" / "minimal_host.py", folder)
     return folder
 
 
-def python(folder: Path, *args: str) -> subprocess.CompletedProcess:
+def python(
+    folder: Path, *args: str, interpreter: str = sys.executable
+) -> subprocess.CompletedProcess:
     """A fresh interpreter in `folder`: no PYTHONPATH (-E), no user site (-s), this repository's
-    one environment (torch)."""
+    one environment (torch) or the given one."""
     env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.run(
-        [sys.executable, "-E", "-s", *args],
+        [interpreter, "-E", "-s", *args],
         cwd=folder,
         env=env,
         capture_output=True,
@@ -63,6 +67,7 @@ def run_host(
     prompts: list[list[int]],
     max_seq_length: int,
     device: str = "cpu",
+    interpreter: str = sys.executable,
 ) -> dict:
     c = model.config
     shape = dict(
@@ -88,7 +93,7 @@ def run_host(
         device=device,
     )
     torch.save(job, folder / "job.pt")
-    result = python(folder, "minimal_host.py", "job.pt")
+    result = python(folder, "minimal_host.py", "job.pt", interpreter=interpreter)
     assert result.returncode == 0, result.stderr[-3000:]
     return torch.load(folder / "job.out.pt", weights_only=True)
 
@@ -96,14 +101,15 @@ def run_host(
 def test_the_copy_imports_on_torch_alone_and_the_repository_is_out_of_reach(tmp_path):
     folder = copy_project(tmp_path / "project")
     found = python(folder, "-c", "import specache; print(specache.__file__)")
-    assert found.returncode == 0 and Path(found.stdout.strip()) == folder / "specache.py", (
-        found.stderr
-    )
+    assert found.returncode == 0, found.stderr
+    assert Path(found.stdout.strip()) == folder / "specache" / "__init__.py"
     for module in ("model", "kernels", "caches", "specache_stats"):
         assert python(folder, "-c", f"import {module}").returncode != 0, module
     imports = python(folder, "-c", "import sys, specache; print(sorted(sys.modules))").stdout
+    # the method on torch alone: not the host, nor the kernels or transformers until asked for
     assert "'torch'" in imports and not any(
-        name in imports for name in ("'kernels", "'model'", "'caches'")
+        name in imports
+        for name in ("'kernels", "'model'", "'caches'", "'specache.kernels", "'transformers")
     )
 
 

@@ -10,7 +10,19 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # lowest first; scripts/ sit above everything and are never imported by the core
 LAYERS = [
-    ["specache", "config", "tokenizer", "openai_api"],
+    # the method, specache/: torch and the standard library alone
+    ["specache.lowbit", "specache.guess", "specache.tiers", "specache.prefill"],
+    ["specache.config", "specache.integer"],
+    ["specache.ops", "specache.pinned"],
+    ["specache.select"],
+    ["specache.step", "specache.state"],
+    ["specache.layer"],
+    ["specache.cache"],
+    ["specache.rows"],  # serving's rows, apart from the core
+    ["specache"],  # the package's public names
+    ["specache.hf"],  # transformers and the package alone
+    # the host
+    ["config", "tokenizer", "openai_api"],
     ["kernels.cpu_build", "kernels.cpu_ops"],
     [
         "kernels.lowbit_cpu",
@@ -29,7 +41,6 @@ LAYERS = [
     ["generation", "options", "tp"],
     ["generate", "batching"],
     ["serve", "chat"],
-    ["integrations.hf"],  # transformers and specache.py alone
 ]
 
 
@@ -37,13 +48,13 @@ def project_modules() -> dict[str, Path]:
     files = [
         *REPO_ROOT.glob("*.py"),
         *REPO_ROOT.glob("kernels/*.py"),
-        *REPO_ROOT.glob("integrations/*.py"),
+        *REPO_ROOT.glob("specache/*.py"),
         *REPO_ROOT.glob("scripts/*.py"),
     ]
     return {
-        ".".join(f.relative_to(REPO_ROOT).with_suffix("").parts): f
+        ".".join(f.relative_to(REPO_ROOT).with_suffix("").parts).removesuffix(".__init__"): f
         for f in files
-        if f.name != "__init__.py"
+        if f.name != "__init__.py" or f.parent.name == "specache"
     }
 
 
@@ -88,19 +99,18 @@ def test_no_module_imports_one_above_it():
     assert not upward, f"imports of a higher layer (module -> what it imports): {upward}"
 
 
-def test_specache_and_the_hf_adapter_import_nothing_of_the_project_but_specache():
-    """Copy-paste: specache.py stands on torch and the standard library; integrations/hf.py on them,
-    transformers and specache.py."""
+def test_the_package_imports_nothing_of_the_host():
+    """Copy-paste and pip install: specache/ stands on torch and the standard library; its hf
+    adapter on them and transformers."""
     edges = graph()
-    assert edges["specache"] == set() and edges["integrations.hf"] == {"specache"}
+    package = [m for m in edges if m == "specache" or m.startswith("specache.")]
+    assert "specache.hf" in package and "specache.cache" in package
+    for module in package:
+        assert all(t == "specache" or t.startswith("specache.") for t in edges[module]), module
     stdlib = set(sys.stdlib_module_names)
-    for module, allowed in (
-        ("specache", {"torch"}),
-        ("integrations.hf", {"torch", "transformers", "specache"}),
-    ):
-        tree = ast.parse(
-            (REPO_ROOT / (module.replace(".", "/") + ".py")).read_text(encoding="utf-8")
-        )
+    for module in package:
+        allowed = {"torch", "specache"} | ({"transformers"} if module == "specache.hf" else set())
+        tree = ast.parse(project_modules()[module].read_text(encoding="utf-8"))
         names = {
             alias.name
             for node in ast.walk(tree)

@@ -4,23 +4,25 @@ composed of its ops, against attention spelled out over every key a row sees."""
 import pytest
 import torch
 
-from specache import (
+from specache.lowbit import (
     LowBitKV,
-    Segments,
     dequantize_keys,
     dequantize_values,
-    drop_from_lowbit,
-    lowbit_partial_attention,
-    merge_segments,
     pack_bits,
-    position_weights,
-    positions_mask,
-    query_rows,
     quantize_groups,
     quantize_keys,
     quantize_values,
     unpack_bits,
 )
+from specache.ops import (
+    Segments,
+    lowbit_partial_attention,
+    merge_segments,
+    position_weights,
+    positions_mask,
+    query_rows,
+)
+from specache.select import drop_from_lowbit
 
 # the ops run on the C kernels where they build (tests/test_specache.py runs the references too)
 pytestmark = pytest.mark.usefixtures("specache_kernels")

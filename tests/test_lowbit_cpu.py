@@ -20,7 +20,7 @@ import torch
 
 import specache
 from kernels import cpu_build, lowbit_cpu
-from specache import LowBitKV, quantize_keys, quantize_values
+from specache.lowbit import LowBitKV, quantize_keys, quantize_values
 
 pytestmark = pytest.mark.skipif(
     shutil.which("gcc") is None, reason="no gcc: only the reference exists"
@@ -44,7 +44,7 @@ def native():
 
 
 def lowbit_partial_attention_reference(rows, kv, visible_len, excluded_pos, excluded_valid):
-    return specache.lowbit_partial_attention_reference(
+    return specache.ops.lowbit_partial_attention_reference(
         rows, *kv[:6], kv.bits, kv.group, visible_len, excluded_pos, excluded_valid
     )
 

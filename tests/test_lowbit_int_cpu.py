@@ -20,16 +20,9 @@ from test_lowbit_cpu import problem
 
 import specache
 from kernels import cpu_build, lowbit_int_cpu
-from specache import (
-    LowBitKV,
-    Segments,
-    dequantize_keys,
-    dequantize_values,
-    int8_scores,
-    int8_value_mix,
-    lowbit_partial_attention,
-    unpack_bits,
-)
+from specache.integer import int8_scores, int8_value_mix
+from specache.lowbit import LowBitKV, dequantize_keys, dequantize_values, unpack_bits
+from specache.ops import Segments, lowbit_partial_attention
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc: only the twin exists")
 
@@ -70,7 +63,7 @@ def avx2(portable):
 
 
 def twin(rows, kv, visible_len, pos, valid):
-    return specache.lowbit_partial_attention_int8_reference(
+    return specache.ops.lowbit_partial_attention_int8_reference(
         rows, *kv[:6], kv.bits, kv.group, visible_len, pos, valid
     )
 
@@ -187,7 +180,7 @@ def test_kivi_copy_layout_is_shared_with_the_float_kernel():
     """The integer kernel reads the float kernel's inputs: a LowBitKV made once serves both."""
     rows, kv, *rest = problem(2, 128, 64, m=2)
     assert isinstance(kv, LowBitKV)
-    float_pass = specache.lowbit_partial_attention_reference(rows, *kv[:6], 2, 64, *rest)
+    float_pass = specache.ops.lowbit_partial_attention_reference(rows, *kv[:6], 2, 64, *rest)
     int_pass = twin(rows, kv, *rest)
     normalized = [x[3] / x[2].clamp(min=1e-30).unsqueeze(-1) for x in (float_pass, int_pass)]
     torch.testing.assert_close(normalized[1], normalized[0], rtol=0.1, atol=0.1)

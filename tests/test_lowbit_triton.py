@@ -32,12 +32,8 @@ CASES = [
 
 def check_all(device: str) -> None:
     from kernels.lowbit_triton import run_kernels
-    from specache import (
-        LowBitKV,
-        lowbit_partial_attention_reference,
-        quantize_keys,
-        quantize_values,
-    )
+    from specache.lowbit import LowBitKV, quantize_keys, quantize_values
+    from specache.ops import lowbit_partial_attention_reference
 
     for bits in (1, 2):
         for n_kv, m, d, t, visible, k in CASES:
@@ -94,7 +90,7 @@ def test_triton_kernels_match_the_reference_on_cuda():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_op_on_cuda_dispatches_to_triton_once_registered(monkeypatch):
     from kernels import lowbit_triton
-    from specache import LowBitKV, quantize_keys, quantize_values
+    from specache.lowbit import LowBitKV, quantize_keys, quantize_values
 
     assert lowbit_triton.register()
     calls = []

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kernels import cpu_build, dense_cpu
-from specache import merge_segments_reference
+from specache.ops import merge_segments_reference
 
 pytestmark = pytest.mark.skipif(
     shutil.which("gcc") is None, reason="no gcc: only the reference exists"

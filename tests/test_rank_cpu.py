@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kernels import cpu_build, rank_cpu
-from specache import top_positions_reference
+from specache.ops import top_positions_reference
 
 pytestmark = pytest.mark.skipif(
     shutil.which("gcc") is None, reason="no gcc: only the reference exists"

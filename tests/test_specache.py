@@ -13,14 +13,8 @@ from conftest import reference_ops, specache_config, tiny_model
 from generation import compile_decode, generate
 from model import KVCache, Transformer
 from reference_decoder import lookup_guess
-from specache import (
-    LowBitKV,
-    SpeCacheConfig,
-    SpeCacheLayer,
-    dequantize_keys,
-    quantize_keys,
-    quantize_values,
-)
+from specache import SpeCacheConfig, SpeCacheLayer
+from specache.lowbit import LowBitKV, dequantize_keys, quantize_keys, quantize_values
 from specache_stats import Diagnostics
 
 VOCAB = 97
@@ -124,12 +118,13 @@ def test_fast_kernels_generate_what_the_reference_kernels_generate(
     (head_dim 64: the kernels' vector paths); there, each step's low-bit pass runs in the
     configured arithmetic (the one op's is held to it in test_step_cpu.py)."""
     passes, fused = [], []
-    real = specache.lowbit_partial_attention
-    monkeypatch.setattr(
-        specache,
-        "lowbit_partial_attention",
-        lambda *args: passes.append(args[3]) or real(*args),
-    )
+    real = specache.ops.lowbit_partial_attention
+    for module in (specache.layer, specache.step):  # the op-by-op step, and the one op's
+        monkeypatch.setattr(
+            module,
+            "lowbit_partial_attention",
+            lambda *args: passes.append(args[3]) or real(*args),
+        )
     real_step = specache.SpeCacheLayer.step_in_ram
     monkeypatch.setattr(
         specache.SpeCacheLayer,
@@ -287,7 +282,7 @@ def test_gqa_top_k_ranks_by_the_groups_query_heads(how):
         32,
     )
     window_k, new_k = torch.randn(b, n_kv, 48, d), torch.randn(b, n_kv, 2, d)
-    segments = specache.Segments(
+    segments = specache.ops.Segments(
         torch.tensor([80, 96]),
         torch.zeros(b, n_kv, k, d),
         torch.zeros(b, n_kv, k, d),
@@ -300,9 +295,9 @@ def test_gqa_top_k_ranks_by_the_groups_query_heads(how):
         torch.randn(b, n_kv, 2, d),
     )
     q = torch.randn(b, n_kv * group_size, 2, d)
-    rows = specache.query_rows(q, n_kv)
-    part = specache.lowbit_partial_attention(rows, kv, segments)
-    merged = specache.merge_segments(rows, part, segments)
+    rows = specache.ops.query_rows(q, n_kv)
+    part = specache.ops.lowbit_partial_attention(rows, kv, segments)
+    merged = specache.ops.merge_segments(rows, part, segments)
     nothing = segments.fetched_pos[..., :0]
     args = (
         part.weights,
@@ -320,8 +315,8 @@ def test_gqa_top_k_ranks_by_the_groups_query_heads(how):
         nothing.bool(),
         k,
     )
-    positions, valid = specache.top_positions_reference(*args)
-    fused, fused_valid = specache.top_positions(
+    positions, valid = specache.ops.top_positions_reference(*args)
+    fused, fused_valid = specache.ops.top_positions(
         part, merged, segments, 2, 1, how, 0, segments.quantized_len, nothing, nothing.bool(), k
     )
     assert torch.equal(fused, positions) and torch.equal(fused_valid, valid)
@@ -342,7 +337,7 @@ def test_gqa_top_k_ranks_by_the_groups_query_heads(how):
 def test_short_sequences_mark_missing_positions_invalid():
     """Five candidates for a top-8: five valid picks, the candidates themselves."""
     weights, nothing = torch.rand(1, 2, 1, 64), torch.zeros(1, 2, 0, dtype=torch.long)
-    positions, valid = specache.top_positions_reference(
+    positions, valid = specache.ops.top_positions_reference(
         weights,
         torch.ones(1, 2, 1, 1),
         torch.zeros(1, 2, 1, 0),
@@ -497,7 +492,7 @@ def test_a_failing_fetch_raises_instead_of_being_lost(monkeypatch, specache_kern
     def broken(*args, **kwargs):
         raise RuntimeError("injected fetch failure")
 
-    monkeypatch.setattr(specache, "gather_pairs", broken)
+    monkeypatch.setattr(specache.step, "gather_pairs", broken)
     with pytest.raises(RuntimeError, match="injected fetch failure"), reference_ops():
         run_specache(model, prompts_of(60), 10, specache_config(topk=8, **SMALL))
 
@@ -533,7 +528,9 @@ def test_prompt_lookup_guesses_the_token_after_the_latest_earlier_match():
     for b, h in enumerate(histories):
         history[b, : len(h)] = torch.tensor(h)
     logits = torch.randn(len(histories), 12, generator=g)
-    guess = specache.prompt_lookup_guess(logits, history, torch.tensor([len(h) for h in histories]))
+    guess = specache.guess.prompt_lookup_guess(
+        logits, history, torch.tensor([len(h) for h in histories])
+    )
     # plain Python
     assert guess[:, 0].tolist() == [lookup_guess(h, logits[b]) for b, h in enumerate(histories)]
     # the latest trigram, a run, a unigram

@@ -46,7 +46,7 @@ def runs(smollm2_model, smollm2_checkpoint):
     guesses = []
 
     def recorded_guess(logits, history, lengths):
-        guesses.append(int(specache.prompt_lookup_guess(logits, history, lengths)))
+        guesses.append(int(specache.guess.prompt_lookup_guess(logits, history, lengths)))
         return logits.new_tensor([[guesses[-1]]]).long()
 
     for name, (method, options) in METHODS.items():

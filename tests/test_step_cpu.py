@@ -18,7 +18,7 @@ import torch
 
 import specache
 from conftest import reference_ops
-from specache import quantize_keys, quantize_values
+from specache.lowbit import quantize_keys, quantize_values
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("g++") is None, reason="no g++: the reference serves"),
@@ -111,7 +111,7 @@ def meaningful_slots(args, placed, kappa_valid):
     fetched_pos, discard = args[13], args[24]
     n_picks, n_sinks, n_spec = args[22], args[26], args[27]
     slots = fetched_pos.shape[-1]
-    first = specache.first_pick_slot(fetched_pos, n_sinks, n_spec, discard)
+    first = specache.select.first_pick_slot(fetched_pos, n_sinks, n_spec, discard)
     meaningful = torch.ones_like(args[14])
     if n_picks:
         rank = (torch.arange(slots) - first).clamp(0, n_picks - 1)
@@ -150,7 +150,7 @@ def assert_same_step(args):
     scale = expected[0].abs().max()
     # the definition run on the same C kernels, op by op: only the drop's order of additions
     # differs (a few ulps of the unnormalized low-bit terms, up to ~10x the output)
-    on_kernels = specache.step_attention_reference(*args)[0]
+    on_kernels = specache.step.step_attention_reference(*args)[0]
     torch.testing.assert_close(out, on_kernels, atol=1e-5 * scale, rtol=1e-6)
     # on the plain ops: the kernels' own tolerance (1e-5 of the low-bit pass's largest terms),
     # which the drop amplifies where the picks take most of the low-bit weight
@@ -264,7 +264,7 @@ def test_shapes_the_kernels_do_not_take_go_to_the_reference():
     args = step_problem(d=8)
     with pytest.raises(AssertionError, match="fallback"), without_fallback():
         torch.ops.specache.step_attention(*args)
-    expected = specache.step_attention_reference(*args)
+    expected = specache.step.step_attention_reference(*args)
     for a, b in zip(torch.ops.specache.step_attention(*args), expected):
         assert torch.equal(a, b)
 

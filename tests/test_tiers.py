@@ -3,15 +3,9 @@ that use it are in tests/test_cuda.py, the disk tier in tests/test_disk_tier.py)
 
 import torch
 
-from specache import (
-    Kappa,
-    PrefetchSlots,
-    RamTier,
-    TierSpec,
-    gather_pairs,
-    held_match,
-    read_with_reuse,
-)
+from specache import Kappa, PrefetchSlots, RamTier, TierSpec
+from specache.pinned import read_with_reuse
+from specache.tiers import gather_pairs, held_match
 
 
 def held_positions(generator, shape=(2, 3, 6), t=50):

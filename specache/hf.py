@@ -2,22 +2,22 @@
 Mistral, Qwen2, SmolLM2), with the plain `transformers` package.
 
     from transformers import AutoModelForCausalLM
-    import specache
-    from integrations import hf
+    import specache, specache.hf
 
     model = AutoModelForCausalLM.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")
-    cache = hf.plug(model, batch_size=1, max_seq_length=4096, config=specache.SpeCacheConfig())
-    new_tokens = hf.generate(model, cache, [prompt_ids], max_new_tokens=64)
+    cache = specache.hf.plug(model, 1, max_seq_length=4096, config=specache.SpeCacheConfig())
+    new_tokens = specache.hf.generate(model, cache, [prompt_ids], max_new_tokens=64)
 
 How: transformers' attention-function interface. `plug` registers an attention implementation
 named "specache" and switches the model to it: each attention module computes q, k, v and RoPE as
 usual, then hands the new rows' q, k, v and their positions to its SpeCache layer, which attends
-over everything the cache holds and keeps what it must (specache.py's layers). The model runs with
+over everything the cache holds and keeps what it must (specache/layer.py). The model runs with
 `use_cache=False`: SpeCache is the cache, and transformers' Cache objects, whose update must return
 the whole 16-bit K and V, are not used. `generate` below is SpeCache's two-row decode loop
-(transformers' own generate runs one row per step). This file needs torch, transformers and
-specache.py; in this repository `caches.accelerate_specache()` lets the C and Triton kernels serve
-specache.py's ops (the tokens are the same either way).
+(transformers' own generate runs one row per step). This module needs torch and transformers (the
+package's `hf` extra); it is imported only when asked for (`import specache.hf`). In this
+repository `caches.accelerate_specache()` lets the C and Triton kernels serve the ops (the tokens
+are the same either way).
 """
 
 from typing import Callable, Sequence

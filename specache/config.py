@@ -1,0 +1,223 @@
+"""SpeCache's settings: the paper's (`Method`), how the exact pairs are chosen (`Selection`, with
+the paper's rule as `PAPER`), where the pairs live (`Placement`), and the fast tier's size that
+follows from them (`fast_tier_plan`)."""
+
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+import torch
+
+from specache.guess import GUESSES
+from specache.lowbit import LEVELS, sixteen_bit_dtype, value_group
+from specache.tiers import SlowTier, TierSpec
+
+# the low-bit pass's products: float, or 8-bit integers (ours, specache/integer.py)
+ARITHMETICS = ("float", "int8")
+
+
+@dataclass(frozen=True)
+class Method:
+    """The paper's settings."""
+
+    bits: int = 1  # low-bit copy: 1 or 2 bits per element
+    group: int = 64  # g: tokens per key group (per channel), channels per value group (per token)
+    residual: int = 64  # R: the newest R tokens stay 16-bit; a multiple of g
+    topk: int = 64  # k: 16-bit pairs read per layer and KV head each step; 0 = KIVI alone
+    speculative: bool = True  # False: the paper's non-speculative baseline
+    # the low-bit pass's products: "float", or "int8" (ours: 8-bit integers, what CPUs with
+    # integer dot products run fastest; `lowbit_partial_attention_int8_reference`)
+    arithmetic: str = "float"
+
+
+@dataclass(frozen=True)
+class Selection:
+    """How the exact pairs are chosen. Its defaults are ours; `PAPER` below is the paper's rule.
+    `parse` reads the names of the command line's --specache_select."""
+
+    # split (ours): the share of the k pairs that the real row chooses within the step
+    real_share: float = 0.5
+    # gqa-max (ours): a KV head ranks positions by the max over its query heads ("mean": paper)
+    gqa: str = "max"
+    # correct (ours, FreeKV's): a KV head whose real query is less alike than this cosine to the
+    # query that chose its prefetch discards it, and the real row picks all k (None: never)
+    correct_below: Optional[float] = 0.9
+    sinks: int = 4  # sinks (ours): the first positions, always exact
+    # lloyd (ours): 1-bit levels from the data ("minmax": the paper's); midway (ours, an option):
+    # the same for values, and for keys halfway between Lloyd's levels and the paper's
+    levels: str = "lloyd"
+    guess: str = "lookup"  # lookup (ours): the speculative token ("greedy": the paper's)
+    reuse: bool = True  # reuse (ours): do not read again what the previous prefetch held
+    # shortlist (ours): the real row reads the pairs of its copy's top n x picks and keeps the
+    # picks their exact keys weigh most (0: the copy's top picks, read alone). It costs the slow
+    # tier n x the real row's reads; what it buys is in docs/method.md#the-shortlist-ours
+    shortlist: int = 8
+
+    @classmethod
+    def parse(cls, select: str) -> "Selection":
+        """ "paper", "default" (ours), or a comma-separated list of changes to the paper's rule,
+        named as in VARIANTS ("split=0.25" or "sinks=8" set a value)."""
+        chosen = PAPER
+        for item in filter(None, (part.strip() for part in select.split(","))):
+            name, _, value = item.partition("=")
+            if name in ("paper", "default"):
+                if value:
+                    raise ValueError(f"--specache_select: {name} takes no value")
+                chosen = cls() if name == "default" else chosen
+                continue
+            if name not in VARIANTS:
+                raise ValueError(
+                    f"unknown --specache_select entry {name!r}: use paper, default or "
+                    f"some of {', '.join(VARIANTS)}"
+                )
+            field, default, parser = VARIANTS[name]
+            if value and parser is None:
+                raise ValueError(f"--specache_select: {name} takes no value")
+            try:
+                chosen = replace(chosen, **{field: parser(value) if value else default})
+            except ValueError:
+                raise ValueError(
+                    f"--specache_select: {name}={value} is not a valid {parser.__name__}"
+                ) from None
+        return chosen
+
+    def name(self) -> str:
+        """As --specache_select would name it."""
+        names = []
+        for name, (field, default, parser) in VARIANTS.items():
+            value = getattr(self, field)
+            if value == getattr(PAPER, field):
+                continue
+            if parser is not None:
+                names.append(f"{name}={value}")
+            elif value == default:  # a name without a value: only the one that sets this value
+                names.append(name)
+        return ",".join(names) or "paper"
+
+
+PAPER = Selection(
+    real_share=0.0,
+    gqa="mean",
+    correct_below=None,
+    sinks=0,
+    levels="minmax",
+    guess="greedy",
+    reuse=False,
+    shortlist=0,
+)
+# name: (field, its value when the name comes without "=value", the value's type; None: no value)
+VARIANTS = {
+    "split": ("real_share", 0.5, float),
+    "gqa-max": ("gqa", "max", None),
+    "correct": ("correct_below", 0.9, float),
+    "sinks": ("sinks", 4, int),
+    "lloyd": ("levels", "lloyd", None),
+    "midway": ("levels", "midway", None),
+    "lookup": ("guess", "lookup", None),
+    "reuse": ("reuse", True, None),
+    "shortlist": ("shortlist", 8, int),
+}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the pairs live and how they move."""
+
+    pair_dtype: Optional[torch.dtype] = None  # the exact pairs' dtype; None: 16-bit (see below)
+    # a slow tier apart from the fast one (a GPU's host memory, a disk): False waits for each
+    # prefetch as soon as it starts, which measures what the overlap buys
+    overlap_fetch: bool = True
+    # None: host RAM (pinned, beside a GPU); or a callable that makes each layer's slow tier
+    # from its TierSpec (this repository's disk_tier.py makes one on disk)
+    slow_tier: Optional[Callable[[TierSpec], SlowTier]] = None
+
+    def pair_dtype_for(self, model_dtype: torch.dtype) -> torch.dtype:
+        return self.pair_dtype or sixteen_bit_dtype(model_dtype)
+
+
+@dataclass(frozen=True)
+class SpeCacheConfig:
+    method: Method = Method()
+    selection: Selection = Selection()
+    placement: Placement = Placement()
+
+    def validate(self, head_dim: int) -> None:
+        """Raise ValueError, naming the setting, for a configuration this model cannot run."""
+        m, s = self.method, self.selection
+        checks = [
+            (m.bits in (1, 2), f"SpeCache bits must be 1 or 2, got {m.bits}"),
+            (
+                m.group >= 1 and m.residual >= 1,
+                f"SpeCache group and residual must be positive, got {m.group} and {m.residual}",
+            ),
+            (
+                m.residual % max(m.group, 1) == 0,
+                f"the residual window ({m.residual}) must be a multiple of the group size "
+                f"({m.group}), so that groups of tokens leave the window whole",
+            ),
+            (m.topk >= 0, f"SpeCache top-k must be >= 0, got {m.topk}"),
+            (
+                m.arithmetic in ARITHMETICS,
+                f"SpeCache arithmetic must be float or int8, got {m.arithmetic!r}",
+            ),
+            (
+                0 <= s.real_share <= 1,
+                f"split: the real row's share of k must be in [0, 1], got {s.real_share}",
+            ),
+            (
+                s.gqa in ("mean", "max") and s.levels in LEVELS and s.guess in GUESSES,
+                f"unknown selection setting: gqa={s.gqa!r}, levels={s.levels!r}, guess={s.guess!r}",
+            ),
+            (
+                s.correct_below is None or -1 <= s.correct_below <= 1,
+                f"correct: the threshold is a cosine in [-1, 1], got {s.correct_below}",
+            ),
+            (s.sinks >= 0, f"sinks must be >= 0, got {s.sinks}"),
+            (s.shortlist >= 0, f"shortlist must be >= 0 (0: none), got {s.shortlist}"),
+            (
+                head_dim * m.bits % 8 == 0,
+                f"SpeCache packs each token's {m.bits}-bit codes into whole bytes, so head_dim x "
+                f"bits must be a multiple of 8; this model's head_dim is {head_dim}",
+            ),
+            (
+                m.group < 1 or head_dim % value_group(m.group, head_dim) == 0,
+                f"head_dim {head_dim} is not a multiple of the value group size {m.group}",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+# --- the fast tier's size --------------------------------------------------------------------
+
+# Bytes per exact slot beyond its pair: its position (int64) and flag, and the same for the
+# prefetch's chosen position (kappa)
+SLOT_BOOKKEEPING_BYTES = 2 * (8 + 1)
+
+
+def fast_tier_plan(
+    config: SpeCacheConfig,
+    capacity: int,
+    head_dim: int,
+    pair_dtype: torch.dtype,
+    query_heads_per_kv: int,
+) -> tuple[int, int]:
+    """(R, the most exact slots) such that a layer's fast tier never holds more than a cache of
+    `capacity` pairs in `pair_dtype` (the 16-bit cache it replaces). Per KV head and sequence: the
+    low-bit copy of the positions that can be quantized, the window, then per slot its pair and
+    bookkeeping; a layer that corrects keeps its query heads' last queries too. When the copy and
+    the window alone would exceed the cache (a capacity below about R + g + the copy's share),
+    nothing is quantized: R becomes the capacity and every pair stays 16-bit in the window."""
+    m = config.method
+    pair = 2 * head_dim * pair_dtype.itemsize
+    scale = sixteen_bit_dtype(pair_dtype).itemsize
+    quantizable = max(0, capacity - m.residual) // m.group * m.group
+    value_groups = head_dim // value_group(m.group, head_dim)
+    per_position = 2 * head_dim * m.bits // 8 + 2 * value_groups * scale
+    lowbit = quantizable * per_position + quantizable // m.group * 2 * head_dim * scale
+    room = (capacity - min(m.residual + m.group, capacity)) * pair - lowbit
+    if config.selection.correct_below is not None:
+        room -= query_heads_per_kv * head_dim * 4
+    if room < 0:
+        return capacity, 0
+    return m.residual, room // (pair + SLOT_BOOKKEEPING_BYTES)

@@ -1,0 +1,442 @@
+"""One layer's SpeCache: its fast tier (the low-bit copy, the 16-bit window, the exact pairs in
+slots), its slow tier, and its passes: a prompt's, and a decode step's."""
+
+from typing import Callable, Optional, Protocol
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from specache.lowbit import LowBitKV, quantize_keys, quantize_values, sixteen_bit_dtype, value_group
+from specache.ops import (
+    LowBitPart,
+    Merged,
+    Segments,
+    lowbit_partial_attention,
+    merge_segments,
+    query_rows,
+    top_positions,
+)
+from specache.prefill import attention_after_history, history_block
+from specache.select import (
+    exact_slots,
+    first_pick_slot,
+    picks_placed,
+    prefetch_positions,
+    queries_disagree,
+    rank_shortlist,
+    shortlist_listed,
+    take_picks,
+)
+from specache.state import DECODE, PREFILL, SpeCacheState
+from specache.step import step_attention
+from specache.tiers import (
+    Kappa,
+    PrefetchSlots,
+    RamTier,
+    SlowTier,
+    TierSpec,
+    gather_pairs,
+    held_match,
+)
+
+
+class Probe(Protocol):
+    """Diagnostics plugged in from outside (this repository's specache_stats.py); the method
+    never needs one. `oracle`: the real row's picks come from `oracle_picks` instead of its
+    low-bit weights."""
+
+    oracle: bool
+
+    def reset(self) -> None:
+        """A generation begins."""
+
+    def oracle_picks(
+        self,
+        layer: "SpeCacheLayer",
+        rows: Tensor,
+        part: "LowBitPart",
+        merged: "Merged",
+        seg: "Segments",
+        s: int,
+    ) -> tuple[Tensor, Tensor]:
+        """The real row's `layer.picks` positions (B, Hkv, picks), and which are real."""
+
+    def observe(self, layer: "SpeCacheLayer", rows: Tensor, seg: "Segments", s: int) -> None:
+        """A decode step's pass through `layer`, before the prefetch rewrites its slots."""
+
+
+class SpeCacheLayer(nn.Module):
+    """One layer's SpeCache: the host's attention hands it the new rows' q, k, v and takes the
+    attention output (`forward`).
+
+    The exact pairs a step reads besides the window sit in one buffer of slots per KV head:
+    [sinks | the speculative prefetch (k_spec) | the real row's picks (k_real)], k_spec + k_real =
+    k. Buffers hold what the capacity can need: the low-bit copy the positions that can ever be
+    quantized (all but the newest R), the window at most the capacity, the slots at most the
+    positions the copy can hold.
+    """
+
+    def __init__(
+        self,
+        state: SpeCacheState,
+        index: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        make_tier: Callable[[TierSpec], SlowTier],
+        probe: Optional[Probe] = None,
+    ):
+        """`dtype`: the exact pairs' (window, slots, slow tier)."""
+        super().__init__()
+        c, b, t = state.config, state.quantized_len.shape[0], state.capacity
+        m, sel = c.method, c.selection
+        self.state, self.config, self.index, self.probe = state, c, index, probe
+        scale_dtype = sixteen_bit_dtype(dtype)
+        code_bytes = head_dim * m.bits // 8
+        n_value_groups = head_dim // value_group(m.group, head_dim)
+        quantizable = max(0, t - state.residual) // m.group * m.group
+        self.n_sinks = min(sel.sinks, quantizable, state.max_slots)
+        k = min(m.topk, quantizable, state.max_slots - self.n_sinks)
+        self.k_real = k if not m.speculative else int(k * sel.real_share + 0.5)
+        self.k_spec = k - self.k_real
+        self.correcting = sel.correct_below is not None and self.k_spec > 0
+        self.picks = k if self.correcting else self.k_real  # a head that discards its prefetch
+        slots = self.n_sinks + k
+        self.spec_slots = slice(self.n_sinks, self.n_sinks + self.k_spec)
+
+        def fast(name, *shape, dtype=dtype):
+            buffer = torch.zeros(shape, dtype=dtype, device=device)
+            self.register_buffer(name, buffer, persistent=False)
+
+        # Fast tier: the low-bit copy...
+        fast("k_packed", b, n_kv_heads, quantizable, code_bytes, dtype=torch.uint8)
+        fast("k_scale", b, n_kv_heads, quantizable // m.group, head_dim, dtype=scale_dtype)
+        fast("k_zero", b, n_kv_heads, quantizable // m.group, head_dim, dtype=scale_dtype)
+        fast("v_packed", b, n_kv_heads, quantizable, code_bytes, dtype=torch.uint8)
+        fast("v_scale", b, n_kv_heads, quantizable, n_value_groups, dtype=scale_dtype)
+        fast("v_zero", b, n_kv_heads, quantizable, n_value_groups, dtype=scale_dtype)
+        # ... the 16-bit window: the newest R tokens and up to g more waiting for a group ...
+        fast("window_k", b, n_kv_heads, min(state.residual + m.group, t), head_dim)
+        fast("window_v", b, n_kv_heads, min(state.residual + m.group, t), head_dim)
+        # ... and the exact pairs in slots: sinks, kappa_t's prefetch, the real row's picks.
+        fast("fetched_k", b, n_kv_heads, slots, head_dim)
+        fast("fetched_v", b, n_kv_heads, slots, head_dim)
+        fast("fetched_pos", b, n_kv_heads, slots, dtype=torch.long)
+        fast("fetched_valid", b, n_kv_heads, slots, dtype=torch.bool)
+        fast("kappa_pos", b, n_kv_heads, self.k_spec, dtype=torch.long)  # kappa_{t+1}
+        fast("kappa_valid", b, n_kv_heads, self.k_spec, dtype=torch.bool)
+        if self.correcting:  # the last row's queries, which chose the prefetch the next step reads
+            fast("last_query", b, n_heads, head_dim, dtype=torch.float32)
+        # per sequence, this generation: pairs read from the slow tier; correct: the KV heads whose
+        # prefetch was discarded, of those checked
+        fast("pairs_read", b, dtype=torch.long)
+        fast("heads_discarded", b, dtype=torch.long)
+        fast("heads_checked", b, dtype=torch.long)
+        self.fetched_pos[:, :, : self.n_sinks] = torch.arange(self.n_sinks, device=device)
+        self.fetched_valid[:, :, : self.n_sinks] = True  # counted while quantized (below Lq)
+        prefetch = None
+        if self.k_spec:
+            buffers = (self.fetched_k, self.fetched_v, self.fetched_pos, self.fetched_valid)
+            prefetch = PrefetchSlots(*buffers, where=self.spec_slots)
+        spec = TierSpec(
+            shape=(b, n_kv_heads, t, head_dim),
+            dtype=dtype,
+            device=torch.device(device),
+            slots=prefetch,
+            reuse=sel.reuse,
+            overlap=c.placement.overlap_fetch,
+            state=state,
+        )
+        self.tier = make_tier(spec)
+
+    def reset(self, rows: Optional[list[int]] = None) -> None:
+        """A generation starts (in `rows` only: see "rows"): nothing fetched, chosen or counted
+        yet."""
+        self.tier.reset(rows)  # first: a prefetch in flight lands before the slots are cleared
+        rows = slice(None) if rows is None else rows
+        self.fetched_valid[rows, :, self.n_sinks :] = False
+        self.kappa_valid[rows] = False
+        for count in (self.pairs_read, self.heads_discarded, self.heads_checked):
+            count[rows] = 0
+        if self.correcting:
+            self.last_query[rows] = 0
+
+    # --- the low-bit copy and the window -------------------------------------------------------
+
+    def lowbit(self) -> LowBitKV:
+        m = self.config.method
+        keys = (self.k_packed, self.k_scale, self.k_zero)
+        return LowBitKV(*keys, self.v_packed, self.v_scale, self.v_zero, m.bits, m.group)
+
+    def _quantize_into(self, b: int, start: int, k: Tensor, v: Tensor) -> None:
+        """Quantize k, v (Hkv, N, D) of sequence b (N a multiple of g) into positions [start,
+        start + N); the sinks among them keep their 16-bit pairs."""
+        m, levels, n = self.config.method, self.config.selection.levels, k.shape[1]
+        g, keys = m.group, slice(start // m.group, (start + n) // m.group)
+        packed, scale, zero = quantize_keys(k, m.bits, g, self.k_scale.dtype, levels)
+        self.k_packed[b, :, start : start + n] = packed
+        self.k_scale[b, :, keys] = scale
+        self.k_zero[b, :, keys] = zero
+        packed, scale, zero = quantize_values(v, m.bits, g, self.v_scale.dtype, levels)
+        self.v_packed[b, :, start : start + n] = packed
+        self.v_scale[b, :, start : start + n] = scale
+        self.v_zero[b, :, start : start + n] = zero
+        sinks = max(0, min(self.n_sinks, start + n) - start)
+        self.fetched_k[b, :, start : start + sinks] = k[:, :sinks].to(self.fetched_k.dtype)
+        self.fetched_v[b, :, start : start + sinks] = v[:, :sinks].to(self.fetched_v.dtype)
+
+    def ingest_prompt(
+        self, k: Tensor, v: Tensor, start: int = 0, rows: Optional[list[int]] = None
+    ) -> None:
+        """After the prompt's attention: its rows k, v (B, Hkv, S, D) at positions [start, start
+        + S), up to each prompt's end (as `SpeCache.begin` set it), join the window, whose whole
+        groups beyond the newest R are quantized, and go to the slow tier: in one piece or in
+        chunks, the same groups. `rows`: the cache rows of k's sequences (default: all)."""
+        # quantized from the 16-bit pairs, as flushes are
+        k, v = k.to(self.window_k.dtype), v.to(self.window_v.dtype)
+        held = self.state.held()
+        for i, b in enumerate(range(len(held)) if rows is None else rows):
+            end = min(held[b], start + k.shape[2])
+            if end <= start:
+                continue  # right padding only, in this chunk
+            (lq0, r0), (lq1, r1) = self.state.split(start), self.state.split(end)
+            rows_k, rows_v = k[i, :, : end - start], v[i, :, : end - start]
+            pending_k = torch.cat([self.window_k[b, :, :r0], rows_k], 1)  # positions [lq0, end)
+            pending_v = torch.cat([self.window_v[b, :, :r0], rows_v], 1)
+            if lq1 > lq0:
+                self._quantize_into(b, lq0, pending_k[:, : lq1 - lq0], pending_v[:, : lq1 - lq0])
+            self.window_k[b, :, :r1] = pending_k[:, lq1 - lq0 :]
+            self.window_v[b, :, :r1] = pending_v[:, lq1 - lq0 :]
+            self.tier.write(b, start, rows_k, rows_v)
+
+    def history_blocks(self, start: int, block: int, rows: Optional[list[int]] = None):
+        """The pairs of positions [0, start) as (K, V) blocks (B, Hkv, <= block, D), in order:
+        exact, from the slow tier; with nothing to fetch (KIVI), as its decode steps read them:
+        the low-bit copy below Lq, but the sinks. `rows`: those rows' only."""
+        lq = self.state.split(start)[0] if self.config.method.topk == 0 else 0
+        for first in range(0, start, block):
+            k, v = self.tier.read_range(first, min(start, first + block), rows)
+            # whole groups: block is a multiple of g
+            low, sinks = min(lq, first + block) - first, max(0, self.n_sinks - first)
+            if low > sinks:
+                low_k, low_v = self.lowbit().dequantized(first, first + low)
+                if rows is not None:
+                    low_k, low_v = low_k[rows], low_v[rows]
+                # a copy, never the tier's own storage
+                k, v = k.to(torch.float32, copy=True), v.to(torch.float32, copy=True)
+                k[:, :, sinks:low], v[:, :, sinks:low] = low_k[:, :, sinks:], low_v[:, :, sinks:]
+            yield k, v
+
+    def flush_window(self, b: int) -> None:
+        """Sequence b's window holds R + g tokens: quantize the oldest g (their 16-bit pairs are
+        in the slow tier already) and slide the window down by g. (Ours: KIVI quantizes its whole
+        window when it reaches R, which leaves 0 to R - 1 recent tokens in 16 bits.)"""
+        start, g = self.state.host_quantized_len[b], self.config.method.group
+        self._quantize_into(b, start, self.window_k[b, :, :g], self.window_v[b, :, :g])
+        self.window_k[b, :, :-g] = self.window_k[b, :, g:].clone()
+        self.window_v[b, :, :-g] = self.window_v[b, :, g:].clone()
+
+    # --- a pass ----------------------------------------------------------------------------------
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask=None) -> Tensor:
+        """The attention of new rows q (B, H, S, D), with their k, v (B, Hkv, S, D) at positions
+        input_pos (B, S), as the shared state's phase says; `mask` is not read (SpeCache knows
+        what each row sees)."""
+        if self.state.phase == PREFILL:
+            return self.prefill(q, k, v, int(input_pos[0, 0]))
+        self.tier.before_step()
+        return self.step(q, k, v, keep=self.state.phase == DECODE)
+
+    def prefill(
+        self, q: Tensor, k: Tensor, v: Tensor, start: int, rows: Optional[list[int]] = None
+    ) -> Tensor:
+        """A prompt's rows from position `start` (every sequence's, right-padded; or those on
+        `rows`): full precision, over the history as the slow tier holds it (prefill is bound by
+        compute); then they join the cache."""
+        if start == 0:
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+            )
+        else:
+            block = history_block(*q.shape, self.config.method.group)
+            y = attention_after_history(q, k, v, self.history_blocks(start, block, rows))
+        self.ingest_prompt(k, v, start, rows)
+        return y
+
+    def step(self, q: Tensor, k: Tensor, v: Tensor, keep: bool) -> Tensor:
+        """The new rows (B, H, S, D) over the history in mixed precision; the last row chooses the
+        next prefetch; with `keep`, the real row's K, V join the window and the slow tier."""
+        b, n_heads, s, d = q.shape
+        rows = query_rows(q, k.shape[1])
+        discard = self.prefetch_missed(q) if self.correcting and keep else None
+        # RamTier itself: a subclass may read or count in its own way, op by op
+        if type(self.tier) is RamTier and self.probe is None:
+            out, kappa = self.step_in_ram(rows, k, v, discard)
+        else:
+            out, kappa = self.step_in_parts(rows, k, v, keep, discard)
+        if self.correcting:
+            self.state.write_moved(self.last_query, q[:, :, -1])
+        new_k = new_v = None
+        if keep:
+            new_k, new_v = self.append_real_row(k[:, :, 0], v[:, :, 0])
+        self.tier.after_step(new_k, new_v, kappa)
+        return out.reshape(b, n_heads, s, d).to(q.dtype)
+
+    def segments(self, k: Tensor, v: Tensor, fetched_valid: Tensor) -> Segments:
+        state = self.state
+        buffers = (self.fetched_k, self.fetched_v, self.fetched_pos, fetched_valid)
+        window = (self.window_k, self.window_v, state.window_len)
+        return Segments(state.quantized_len, *buffers, *window, k, v)
+
+    def step_in_ram(
+        self, rows: Tensor, k: Tensor, v: Tensor, discard: Optional[Tensor]
+    ) -> tuple[Tensor, None]:
+        """A step whose slow tier is in the same RAM: one op (`specache::step_attention`), which
+        also places the prefetch; the tier then only stores the real row."""
+        m, sel = self.config.method, self.config.selection
+        out, fetched_k, fetched_v, fetched_pos, fetched_valid, _, kappa_pos, kappa_valid, read = (
+            step_attention(
+                rows,
+                *self.lowbit()[:6],
+                m.bits,
+                m.group,
+                m.arithmetic == "int8",
+                *self.segments(k, v, self.fetched_valid),
+                self.tier.k,
+                self.tier.v,
+                self.picks,
+                sel.shortlist,
+                discard,
+                sel.gqa == "max",
+                self.n_sinks,
+                self.k_spec,
+                self.state.selectable_len,
+            )
+        )
+        for buffer, new in zip(
+            (self.fetched_k, self.fetched_v, self.fetched_pos, self.fetched_valid),
+            (fetched_k, fetched_v, fetched_pos, fetched_valid),
+        ):
+            self.state.write_moved(buffer, new)
+        self.pairs_read += read.sum(-1) * self.state.stepping
+        if self.k_spec:
+            self.choose_prefetch(kappa_pos, kappa_valid)
+        return out, None
+
+    def step_in_parts(
+        self, rows: Tensor, k: Tensor, v: Tensor, keep: bool, discard: Optional[Tensor]
+    ) -> tuple[Tensor, Optional[Kappa]]:
+        """A step op by op, for a slow tier elsewhere (its reads) or a probe (which watches, or
+        picks as the oracle): the output and the prefetch for the tier to place."""
+        state, sel, s = self.state, self.config.selection, k.shape[2]
+        exact = exact_slots(
+            self.fetched_valid,
+            self.fetched_pos,
+            state.quantized_len,
+            self.n_sinks,
+            self.k_spec,
+            discard,
+        )
+        seg = self.segments(k, v, exact)
+        part = lowbit_partial_attention(rows, self.lowbit(), seg, self.config.method.arithmetic)
+        if self.picks:
+            part, seg = self.pick_within_step(rows, part, seg, s, discard)
+        merged = merge_segments(rows, part, seg)
+        if self.probe is not None and keep:  # before the prefetch rewrites the slots seg reads
+            self.probe.observe(self, rows, seg, s)
+        if not self.k_spec:
+            return merged.out, None
+        kappa = prefetch_positions(
+            part, merged, seg, sel.gqa, self.n_sinks, state.selectable_len, self.k_spec
+        )
+        return merged.out, self.choose_prefetch(*kappa)
+
+    def prefetch_missed(self, q: Tensor) -> Tensor:
+        """correct: the KV heads (B, Hkv) whose real query moved away from the one that chose the
+        prefetch."""
+        threshold = self.config.selection.correct_below
+        discard = queries_disagree(q[:, :, 0], self.last_query, self.fetched_k.shape[1], threshold)
+        self.heads_discarded += discard.sum(-1) * self.state.stepping
+        self.heads_checked += discard.shape[-1] * self.state.stepping
+        return discard
+
+    def pick_within_step(
+        self, rows: Tensor, part: LowBitPart, seg: Segments, s: int, discard: Optional[Tensor]
+    ) -> tuple[LowBitPart, Segments]:
+        """split (ours): the real row (row 0) picks the positions its low-bit weights weigh most
+        (or, as the oracle, those a probe chooses with exact scores); their 16-bit pairs are read
+        now, fill the real row's slots (all k slots of a KV head in `discard`), and their low-bit
+        share leaves `part`."""
+        merged = merge_segments(rows, part, seg)
+        sel = self.config.selection
+        first = first_pick_slot(seg.fetched_pos, self.n_sinks, self.k_spec, discard)
+        placed = picks_placed(self.picks, seg.fetched_pos.shape[-1], first)
+        if self.probe is not None and self.probe.oracle:
+            picks, valid = self.probe.oracle_picks(self, rows, part, merged, seg, s)
+        else:  # candidates: quantized, not held in a valid slot
+            picks, valid = top_positions(
+                part,
+                merged,
+                seg,
+                s,
+                0,
+                sel.gqa,
+                0,
+                seg.quantized_len,
+                seg.fetched_pos,
+                seg.fetched_valid,
+                min(self.picks * max(sel.shortlist, 1), self.k_packed.shape[2]),
+            )
+        if sel.shortlist:  # the listed pairs read at once
+            valid = shortlist_listed(valid, sel.shortlist, placed)
+            listed_k, listed_v = self.tier.read(picks, valid)
+            self.pairs_read += valid.sum((1, 2)) * self.state.stepping
+            chosen, valid = rank_shortlist(
+                rows, part, merged, s, sel.gqa, listed_k, valid, self.picks
+            )
+            picks = picks.gather(-1, chosen)
+            pairs = gather_pairs(listed_k, chosen), gather_pairs(listed_v, chosen)
+            valid = valid & placed
+        else:
+            valid = valid & placed
+            pairs = self.tier.read(picks, valid)
+            self.pairs_read += valid.sum((1, 2)) * self.state.stepping
+        part, seg = take_picks(part, self.lowbit(), seg, picks, valid, *pairs, first)
+        for buffer, new in zip(
+            (self.fetched_k, self.fetched_v, self.fetched_pos),
+            (seg.fetched_k, seg.fetched_v, seg.fetched_pos),
+        ):
+            self.state.write_moved(buffer, new)
+        return part, seg
+
+    def choose_prefetch(self, kappa_pos: Tensor, kappa_valid: Tensor) -> Kappa:
+        """kappa_{t+1}: the last row's top-k_spec positions (B, Hkv, k_spec), among those
+        quantized by the next step and not sinks. Counted as read: with reuse, only those the
+        previous prefetch did not hold."""
+        new = kappa_valid
+        if self.config.selection.reuse:
+            new = new & ~held_match(kappa_pos, kappa_valid, self.kappa_pos, self.kappa_valid)[0]
+        self.pairs_read += new.sum((1, 2)) * self.state.stepping
+        self.state.write_moved(self.kappa_pos, kappa_pos)
+        self.state.write_moved(self.kappa_valid, kappa_valid)
+        return Kappa(self.kappa_pos, self.kappa_valid)
+
+    def append_real_row(self, new_k: Tensor, new_v: Tensor) -> tuple[Tensor, Tensor]:
+        """The real row's K, V (B, Hkv, D) join the window (and, returned in the pairs' dtype,
+        the slow tier); the speculative row's are dropped."""
+        rows = self.state.moved()
+        new_k, new_v = new_k.to(self.window_k.dtype), new_v.to(self.window_v.dtype)
+        self.window_k[rows, :, self.state.window_len[rows]] = new_k[rows]
+        self.window_v[rows, :, self.state.window_len[rows]] = new_v[rows]
+        return new_k, new_v
+
+    def fast_tier_bytes(self) -> int:
+        """The layer's fast-tier buffers, all sequences (not its counters)."""
+        counters = ("pairs_read", "heads_discarded", "heads_checked")
+        return sum(
+            t.numel() * t.element_size() for name, t in self.named_buffers() if name not in counters
+        )
