@@ -42,13 +42,13 @@ from torch import Tensor
 
 from disk_tier import DiskFolder, DiskTier
 from eviction import EvictionCache, EvictionConfig, EvictionLayer, EvictionState
-from kernels import cpu_ops, dense_cpu, lowbit_cpu, lowbit_int_cpu, lowbit_triton, rank_cpu
+from kernels import dense_cpu
 from model import FLEX_BLOCK_SIZE, KVCache, RingKVCache, Transformer
+import specache.kernels
 import specache.rows
 from specache import Method, Placement, Selection, SpeCache, SpeCacheConfig, SpeCacheLayer
 from specache.lowbit import sixteen_bit_dtype
 from specache.state import SpeCacheState
-from specache.step import step_attention_reference
 from specache_stats import Diagnostics, cache_stats, step_bytes
 
 try:
@@ -274,14 +274,9 @@ def full_cache_step_bytes(
 
 
 def accelerate_specache() -> None:
-    """specache.py's ops run on the C kernels (CPUs) and the Triton kernels (GPUs) where those
+    """SpeCache's ops run on the package's C kernels (CPUs) and Triton kernels (GPUs) where those
     build: registered once per process, before anything compiles a step."""
-    lowbit_cpu.register()
-    lowbit_int_cpu.register()
-    rank_cpu.register()
-    dense_cpu.register_merge()
-    cpu_ops.fuse_step(step_attention_reference)
-    lowbit_triton.register()
+    specache.kernels.register()
 
 
 class PluggedSpeCache(SpeCache):
@@ -357,7 +352,7 @@ class PluggedSpeCache(SpeCache):
         # over at graph breaks around each layer.
         self.whole_step = device.type == "cpu" and slow_tier == "ram"
         self.graph_breaks = not self.whole_step
-        # sequences that come and go may share this cache, a row each (specache.py's "rows"),
+        # sequences that come and go may share this cache, a row each (specache's "rows"),
         # where its slow tier is host RAM (a CPU's, or pinned beside a GPU; the disk tier is a
         # folder of files per cache), every layer is SpeCache's, and nothing watches
         self.shares_rows = slow_tier == "ram" and not self.rings and probe is None

@@ -22,7 +22,7 @@ Conventions
   left-padding (pad slots on the right hold garbage that the mask never lets anyone read).
 - The KV cache is a seam: `Attention` computes q, k, v and hands them to `self.kv_cache`, whose
   forward stores k, v and returns the attention output. `KVCache` below is the full cache;
-  `specache.py`'s layers plug in through the same call (caches.py plugs every cache).
+  specache's layers plug in through the same call (caches.py plugs every cache).
 """
 
 import math

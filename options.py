@@ -72,7 +72,7 @@ def add_cache_arguments(
 ) -> None:
     """The KV-cache options (--cache, --specache, --specache_*, --slow_tier*, the eviction
     budgets); `whole_prompt`: what no --prefill_chunk means to this command, for its help."""
-    g = p.add_argument_group("KV cache", "see specache.py and the README's SpeCache section")
+    g = p.add_argument_group("KV cache", "see docs/method.md and docs/cli.md")
     g.add_argument(
         "--cache",
         default=None,
@@ -137,7 +137,7 @@ def add_cache_arguments(
         "pairs not held already), shortlist[=n] (the real row reads its copy's top n x picks, "
         "default 8, and keeps those its exact keys weigh most), oracle (diagnostics: exact top-k "
         "from the slow tier); see "
-        "specache.py and docs/RESULTS.md",
+        "specache/ and docs/RESULTS.md",
     )
     g.add_argument(
         "--specache_stats",

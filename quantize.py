@@ -16,7 +16,7 @@ weights), the lookup keeps the exact table, and the file grows by that copy.
 
 - int8: symmetric per output channel, w ~ q * s with s = max|w| / 127 and q in [-127, 127].
 - int4: asymmetric per group of `groupsize` input channels, w ~ q * s + z with z = the group's min,
-  s = (max - min) / 15 and q in [0, 15], two codes a byte (kernels/quant.py's packing, low nibble
+  s = (max - min) / 15 and q in [0, 15], two codes a byte (specache/lowbit.py's packing, low nibble
   first). Scales and zeros are stored in fp32 and cast to the model's dtype on load.
 
 The files store this plain layout, not a device's tile format, so one file serves every device.
@@ -228,14 +228,14 @@ class Int4Linear(nn.Module):
         elif self.packed is None:
             y = linear(x, dequantize_int4(self.weight, self.scales, self.zeros).to(x.dtype))
         else:
-            flat = torch.ops.specache.int4_matmul(
+            flat = torch.ops.gptfast.int4_matmul(
                 x.reshape(-1, self.in_features), self.packed, self.groupsize, self.scales_and_zeros
             )
             y = flat.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
-@torch.library.custom_op("specache::int4_matmul", mutates_args=())
+@torch.library.custom_op("gptfast::int4_matmul", mutates_args=())
 def int4_matmul(x: Tensor, packed: Tensor, groupsize: int, scales_and_zeros: Tensor) -> Tensor:
     """x (M, K) @ the packed int4 weight (N, K).T -> (M, N) in x's dtype, through bf16 as torch's
     kernels want. One opaque op under torch.compile: inductor would otherwise fuse the cast to bf16

@@ -1,5 +1,5 @@
 """SpeCache's accounting and diagnostics: what its tiers hold, what a step reads and fetches, and
-why a selection fails. Measurement, not the method: specache.py runs without this file, and calls
+why a selection fails. Measurement, not the method: specache/ runs without this file, and calls
 into it only through a probe (`Diagnostics`, a specache.Probe) that a cache is given.
 
 The diagnostics (--specache_stats), per layer and KV head, over the real rows of decode steps:
@@ -212,7 +212,7 @@ def step_bytes(cache, positions: list[int]) -> int:
 def cache_stats(cache, steps: int, row: Optional[int] = None) -> dict:
     """A SpeCache's (caches.PluggedSpeCache) tier sizes, the ratio to a 16-bit cache of the same
     length, fetch volume, speculation quality, and the diagnostics when it has them: of every
-    sequence, or of the one on `row` (specache.py's "rows": its share of the tiers)."""
+    sequence, or of the one on `row` (specache/rows.py: its share of the tiers)."""
     c, method, state = cache.model.config, cache.config.method, cache.state
     layer, batch = cache.layers[0], state.quantized_len.shape[0]
     fast_global = sum(each.fast_tier_bytes() for each in cache.layers)

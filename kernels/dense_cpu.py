@@ -14,22 +14,16 @@ A decode step reads the whole cache up to the position, so its time is the time 
 once. The C kernel (kernels/dense_cpu.c) reads each position once for all the query rows of its KV
 head, only up to the furthest position any row sees (a cache allocated for a long generation costs
 nothing past it), and widens 16-bit elements in registers. It is the op
-`specache::dense_decode_attention`, one opaque call under torch.compile, built at first use
-(kernels/cpu_build.py); without gcc, or when the build fails, `available()` is False (with one
-warning) and the full cache keeps SDPA and FlexAttention. SPECACHE_NO_CPU_KERNEL=1 forces that.
-Results do not depend on the thread count. Inference only: no autograd formula.
-
-The same C file holds the kernel of `specache::merge_segments`, the op specache.py defines (its
-`merge_segments_reference` is the spec): SpeCache's other dense attention, the query rows over its
-three 16-bit segments merged with the low-bit pass in one softmax. It runs twice per layer and step;
-one C call replaces 3 to 6 small matmuls (MKL: several microseconds each) and the loops between
-them. `register_merge()` registers it for CPU tensors (up to 64 rows and head_dim 256; the reference
-takes larger ones).
+`gptfast::dense_decode_attention`, one opaque call under torch.compile, built at first use
+(specache/kernels/cpu_build.py); without gcc, or when the build fails, `available()` is False
+(with one warning) and the full cache keeps SDPA and FlexAttention. SPECACHE_NO_CPU_KERNEL=1
+forces that. Results do not depend on the thread count. Inference only: no autograd formula.
 """
 
 import ctypes
+import subprocess
 import warnings
-from functools import lru_cache, partial
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
@@ -37,8 +31,8 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-import specache
-from kernels import cpu_build, cpu_ops
+from kernels import host_ops
+from specache.kernels import cpu_build
 
 SOURCE = Path(__file__).with_name("dense_cpu.c")
 MAX_HEAD_DIM, MAX_ROWS = 256, 64  # the C file's MAX_D and MAX_ROWS (query rows per KV head)
@@ -97,46 +91,26 @@ class _Problem(ctypes.Structure):
     _fields_ += [("scale", ctypes.c_float), ("dtype", ctypes.c_int32), ("threads", ctypes.c_int32)]
 
 
-class _MergeProblem(ctypes.Structure):
-    """The C file's MergeProblem struct, field for field."""
-
-    _fields_ = [(name, ctypes.c_void_p) for name in ("rows", "row_max", "row_sum", "lowbit_out")]
-    _fields_ += [("k", ctypes.c_void_p * 3), ("v", ctypes.c_void_p * 3)]
-    _fields_ += [("k_stride", ctypes.c_int64 * 3 * 3), ("v_stride", ctypes.c_int64 * 3 * 3)]
-    _fields_ += [
-        (name, ctypes.c_void_p) for name in ("fetched_valid", "window_len", "out", "lowbit_scale")
-    ]
-    _fields_ += [("p", ctypes.c_void_p * 3)]
-    _fields_ += [(name, ctypes.c_int64) for name in ("batch", "kv_heads", "m", "d")] + [
-        ("n", ctypes.c_int64 * 3)
-    ]
-    _fields_ += [("dtype", ctypes.c_int32 * 3), ("threads", ctypes.c_int32)]
-
-
 def build(flags: tuple[str, ...] = cpu_build.FLAGS) -> Path:
-    return cpu_build.build(SOURCE, flags)
+    return cpu_build.build(SOURCE, flags, include=(host_ops.SHARED_HEADERS,))
 
 
 def load(path: Path) -> ctypes.CDLL:
-    lib = cpu_build.load(path, "dense_decode_attention", _Problem)
-    lib.merge_segments.argtypes = [ctypes.POINTER(_MergeProblem)]
-    lib.merge_segments.restype = ctypes.c_int
-    return lib
+    return cpu_build.load(path, "dense_decode_attention", _Problem)
 
 
 @lru_cache(maxsize=None)
 def _library() -> Optional[ctypes.CDLL]:
     try:
         lib = load(build())
-    except (RuntimeError, OSError) as error:
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
         warnings.warn(
-            "specache: the CPU dense decode-attention kernel is unavailable, SDPA, FlexAttention "
-            "and the "
-            f"plain merge of SpeCache's segments serve ({error})"
+            "the CPU dense decode-attention kernel is unavailable, SDPA and FlexAttention "
+            f"serve ({error})"
         )
         return None
     # C++ dispatch where it builds
-    cpu_ops.hand_over("dense_decode_attention", lib.dense_decode_attention)
+    host_ops.hand_over("dense_decode_attention", lib.dense_decode_attention)
     return lib
 
 
@@ -189,15 +163,15 @@ def _op(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, scale: Optional[floa
 
 # torch.library.Library rather than custom_op: its wrapper costs 13 us more per call (one per layer
 # and step)
-_LIBRARY = torch.library.Library("specache", "FRAGMENT")
+_LIBRARY = torch.library.Library("gptfast", "FRAGMENT")
 _LIBRARY.define(
     "dense_decode_attention(Tensor q, Tensor k, Tensor v, Tensor input_pos, float? scale) -> Tensor"
 )
-# kernels/cpu_ops.cpp overrides it for CPU
+# kernels/host_ops.cpp overrides it for CPU
 _LIBRARY.impl("dense_decode_attention", _op, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake("specache::dense_decode_attention")
+@torch.library.register_fake("gptfast::dense_decode_attention")
 def _(q, k, v, input_pos, scale):
     _check(q, k, v, input_pos)
     return torch.empty_like(q)
@@ -222,158 +196,5 @@ def dense_decode_attention(
     """(B, H, S, D) float32, as in the module docstring (scale: default D**-0.5): the C kernel for
     CPU tensors when it is available, else the reference."""
     if q.device.type == "cpu" and available():
-        return torch.ops.specache.dense_decode_attention(q, k, v, input_pos, scale)
+        return torch.ops.gptfast.dense_decode_attention(q, k, v, input_pos, scale)
     return dense_decode_attention_reference(q, k, v, input_pos, scale)
-
-
-# ---------------------------------------------------------------------------------------------
-# SpeCache's 16-bit segments merged with the low-bit pass
-# ---------------------------------------------------------------------------------------------
-
-MergeOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
-
-
-def _check_merge(
-    rows: Tensor,
-    row_max: Tensor,
-    row_sum: Tensor,
-    lowbit_out: Tensor,
-    segments: list[tuple[Tensor, Tensor]],
-    fetched_valid: Tensor,
-    window_len: Tensor,
-) -> None:
-    """Raise ValueError unless the inputs have the layout in the module docstring."""
-
-    def fail(message: str):
-        raise ValueError(f"merge_segments: {message}")
-
-    if rows.dim() != 4 or rows.dtype != torch.float32:
-        fail(f"rows must be (B, Hkv, M, D) float32, got {tuple(rows.shape)} {rows.dtype}")
-    b, h, m, d = rows.shape
-    if not (1 <= m <= MAX_ROWS and 1 <= d <= MAX_HEAD_DIM):
-        fail(f"need 1 <= M <= {MAX_ROWS} and 1 <= D <= {MAX_HEAD_DIM}, got M = {m}, D = {d}")
-    for name, x, shape in (
-        ("row_max", row_max, (b, h, m)),
-        ("row_sum", row_sum, (b, h, m)),
-        ("lowbit_out", lowbit_out, (b, h, m, d)),
-    ):
-        if x.shape != shape or x.dtype != torch.float32:
-            fail(f"{name} must be {shape} float32, got {tuple(x.shape)} {x.dtype}")
-    for name, (k, v) in zip(("fetched", "window", "new"), segments):
-        if (
-            k.dim() != 4
-            or k.shape[:2] != (b, h)
-            or k.shape[3] != d
-            or k.dtype not in DTYPES
-            or v.shape != k.shape
-            or v.dtype != k.dtype
-        ):
-            fail(
-                f"{name}_k and {name}_v must be ({b}, {h}, N, {d}) float32, bfloat16 or float16 "
-                "alike, got "
-                f"{tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}"
-            )
-    s = segments[2][0].shape[2]
-    if s < 1 or m % s:
-        fail(f"need S >= 1 new pairs and M = {m} a multiple of S = {s}")
-    if fetched_valid.shape != (b, h, segments[0][0].shape[2]) or fetched_valid.dtype != torch.bool:
-        fail(
-            f"fetched_valid must be ({b}, {h}, {segments[0][0].shape[2]}) bool, got "
-            f"{tuple(fetched_valid.shape)} "
-            f"{fetched_valid.dtype}"
-        )
-    if window_len.shape != (b,) or window_len.dtype != torch.int64:
-        fail(f"window_len must be ({b},) int64, got {tuple(window_len.shape)} {window_len.dtype}")
-    if any(
-        x.device != rows.device
-        for x in (
-            row_max,
-            row_sum,
-            lowbit_out,
-            fetched_valid,
-            window_len,
-            *segments[0],
-            *segments[1],
-            *segments[2],
-        )
-    ):
-        fail("all tensors must be on one device")
-
-
-def run_merge_kernel(
-    lib: ctypes.CDLL,
-    rows: Tensor,
-    row_max: Tensor,
-    row_sum: Tensor,
-    lowbit_out: Tensor,
-    fetched_k: Tensor,
-    fetched_v: Tensor,
-    fetched_valid: Tensor,
-    window_k: Tensor,
-    window_v: Tensor,
-    window_len: Tensor,
-    new_k: Tensor,
-    new_v: Tensor,
-) -> MergeOutputs:
-    """Call the merge in `lib` (a `load`ed build) on CPU tensors."""
-    segments = [(fetched_k, fetched_v), (window_k, window_v), (new_k, new_v)]
-    _check_merge(rows, row_max, row_sum, lowbit_out, segments, fetched_valid, window_len)
-    if rows.device.type != "cpu":
-        raise ValueError(f"merge_segments: the C kernel takes CPU tensors, got {rows.device}")
-    b, h, m, d = rows.shape
-    segments = [
-        tuple(x if x.stride(-1) == 1 else x.contiguous() for x in pair) for pair in segments
-    ]
-    rows, row_max, row_sum, lowbit_out, valid, window_len = (
-        x.contiguous() for x in (rows, row_max, row_sum, lowbit_out, fetched_valid, window_len)
-    )
-    out, lowbit_scale = torch.empty_like(rows), rows.new_empty(b, h, m, 1)
-    probs = [rows.new_empty(b, h, m, k.shape[2]) for k, _ in segments]
-    problem = _MergeProblem(
-        rows.data_ptr(),
-        row_max.data_ptr(),
-        row_sum.data_ptr(),
-        lowbit_out.data_ptr(),
-        (ctypes.c_void_p * 3)(*(k.data_ptr() for k, _ in segments)),
-        (ctypes.c_void_p * 3)(*(v.data_ptr() for _, v in segments)),
-        (ctypes.c_int64 * 3 * 3)(*((ctypes.c_int64 * 3)(*k.stride()[:3]) for k, _ in segments)),
-        (ctypes.c_int64 * 3 * 3)(*((ctypes.c_int64 * 3)(*v.stride()[:3]) for _, v in segments)),
-        valid.data_ptr(),
-        window_len.data_ptr(),
-        out.data_ptr(),
-        lowbit_scale.data_ptr(),
-        (ctypes.c_void_p * 3)(*(p.data_ptr() for p in probs)),
-        b,
-        h,
-        m,
-        d,
-        (ctypes.c_int64 * 3)(*(k.shape[2] for k, _ in segments)),
-        (ctypes.c_int32 * 3)(*(DTYPES[k.dtype] for k, _ in segments)),
-        torch.get_num_threads(),
-    )
-    if lib.merge_segments(ctypes.byref(problem)) != 0:
-        raise RuntimeError("dense_cpu.c rejected a merge that passed the checks")
-    return out, lowbit_scale, *probs
-
-
-def _serve_merge(lib: ctypes.CDLL, *inputs: Tensor) -> MergeOutputs:
-    """specache::merge_segments for CPU tensors where the C++ dispatch does not build: the C kernel
-    through ctypes for the shapes it takes, the reference otherwise."""
-    rows = inputs[0]
-    if rows.shape[2] <= MAX_ROWS and rows.shape[3] <= MAX_HEAD_DIM:
-        return run_merge_kernel(lib, *inputs)
-    return specache.ops.merge_segments_reference(*inputs)
-
-
-@lru_cache(maxsize=None)
-def register_merge() -> bool:
-    """Build the C kernel (once) and make it serve `specache::merge_segments` for CPU tensors;
-    False where it cannot (the reference serves)."""
-    lib = _library() if cpu_build.enabled() else None
-    if lib is None:
-        return False
-    if not cpu_ops.hand_over(
-        "merge_segments", lib.merge_segments, specache.ops.merge_segments_reference
-    ):
-        torch.library.register_kernel("specache::merge_segments", "cpu", partial(_serve_merge, lib))
-    return True

@@ -13,14 +13,16 @@ A decode step multiplies one row per sequence (two with SpeCache's speculative r
 weight, so its time is the time to read the weights once. kernels/linear_cpu.c reads each weight
 once per call and widens it in registers, at about the machine's read bandwidth where inductor's
 fused multiply-reduce over int8 codes reached a third of it (scripts/bench_quant.py measures
-every way to run a quantized Linear here). It is the op `specache::quantized_linear`, one opaque
-call under torch.compile, dispatched in C++ where kernels/cpu_ops.cpp builds, built at first use
-(kernels/cpu_build.py); without gcc, or when the build fails, `available()` is
+every way to run a quantized Linear here). It is the op `gptfast::quantized_linear`, one opaque
+call under torch.compile, dispatched in C++ where kernels/host_ops.cpp builds, built at first use
+(specache/kernels/cpu_build.py); without gcc, or when the build fails, `available()` is
 False (with one warning) and the quantized Linears keep their other paths. SPECACHE_NO_CPU_KERNEL=1
 forces that. Results do not depend on the thread count. Inference only: no autograd formula.
 """
 
 import ctypes
+import subprocess
+import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -28,7 +30,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels import cpu_build, cpu_ops
+from kernels import host_ops
+from specache.kernels import cpu_build
 
 SOURCE = Path(__file__).with_name("linear_cpu.c")
 MAX_ROWS = 16  # the C file's MAX_ROWS
@@ -93,7 +96,7 @@ class _Problem(ctypes.Structure):
 
 
 def build(flags: tuple[str, ...] = cpu_build.FLAGS) -> Path:
-    return cpu_build.build(SOURCE, flags)
+    return cpu_build.build(SOURCE, flags, include=(host_ops.SHARED_HEADERS,))
 
 
 def load(path: Path) -> ctypes.CDLL:
@@ -102,14 +105,14 @@ def load(path: Path) -> ctypes.CDLL:
 
 @lru_cache(maxsize=None)
 def _library() -> Optional[ctypes.CDLL]:
-    lib = cpu_build.build_and_load(
-        SOURCE,
-        "quantized_linear",
-        _Problem,
-        "the CPU quantized-Linear kernel is unavailable, torch's paths serve",
-    )
-    if lib is not None:
-        cpu_ops.hand_over("quantized_linear", lib.quantized_linear)  # C++ dispatch where it builds
+    try:
+        lib = load(build())
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
+        warnings.warn(
+            f"the CPU quantized-Linear kernel is unavailable, torch's paths serve ({error})"
+        )
+        return None
+    host_ops.hand_over("quantized_linear", lib.quantized_linear)  # C++ dispatch where it builds
     return lib
 
 
@@ -157,15 +160,15 @@ def _op(x: Tensor, codes: Tensor, scales: Tensor, zeros: Optional[Tensor], group
 
 # Defined with torch.library.Library rather than torch.library.custom_op: a decode step makes
 # about 150 of these calls, and custom_op's wrapper costs 13 us more per call (measured here).
-_LIBRARY = torch.library.Library("specache", "FRAGMENT")
+_LIBRARY = torch.library.Library("gptfast", "FRAGMENT")
 _LIBRARY.define(
     "quantized_linear(Tensor x, Tensor codes, Tensor scales, Tensor? zeros, int group) -> Tensor"
 )
-# kernels/cpu_ops.cpp overrides it for CPU
+# kernels/host_ops.cpp overrides it for CPU
 _LIBRARY.impl("quantized_linear", _op, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake("specache::quantized_linear")
+@torch.library.register_fake("gptfast::quantized_linear")
 def _(x, codes, scales, zeros, group):
     _check(x, codes, scales, zeros, group)
     return x.new_empty(x.shape[0], codes.shape[0])
@@ -177,5 +180,5 @@ def quantized_linear(
     """x @ W.T (M, N) float32, as in the module docstring: the C kernel for CPU tensors when it is
     available, else the reference."""
     if x.device.type == "cpu" and available():
-        return torch.ops.specache.quantized_linear(x, codes, scales, zeros, group)
+        return torch.ops.gptfast.quantized_linear(x, codes, scales, zeros, group)
     return quantized_linear_reference(x, codes, scales, zeros, group)

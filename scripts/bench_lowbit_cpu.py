@@ -6,9 +6,9 @@ against the DRAM floor of the bytes they read.
 Per length, --layers separate low-bit copies (one per layer, as a step reads them: together far
 larger than the caches, so the bytes come from DRAM) go through each kernel in turn, and a row
 reports per layer (batch 1, every position visible, 64 excluded per KV head):
-- float ms: `specache::lowbit_partial_attention` on kernels/lowbit_cpu.c (nibble lookups);
-- int8 ms: `specache::lowbit_partial_attention_int8` on kernels/lowbit_int_cpu.c (VPDPBUSD where
-  the CPU has AVX512-VNNI, VPMADDUBSW with AVX2, else plain C);
+- float ms: `specache::lowbit_partial_attention` on specache/kernels/lowbit_cpu.c (nibble lookups);
+- int8 ms: `specache::lowbit_partial_attention_int8` on specache/kernels/lowbit_int_cpu.c
+  (VPDPBUSD where the CPU has AVX512-VNNI, VPMADDUBSW with AVX2, else plain C);
 - floor ms: the bytes the pass must read (codes, scales and zeros of keys and values) at the read
   bandwidth measured before and after the row (their mean, in the table), and each kernel's time
   over it; the weights it writes (M x T float32, read again by the ranking) are not counted.
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_peers import measure_read_bandwidth  # noqa: E402
-from kernels import lowbit_cpu, lowbit_int_cpu  # noqa: E402
+from specache.kernels import lowbit_cpu, lowbit_int_cpu  # noqa: E402
 from specache.ops import lowbit_partial_attention_int8_reference  # noqa: E402
 from specache.lowbit import LowBitKV, quantize_keys, quantize_values  # noqa: E402
 from specache.ops import lowbit_partial_attention_reference  # noqa: E402

@@ -1,5 +1,5 @@
 """What one op per layer buys: SpeCache's decode step on a CPU with each layer's attention as one
-op (`specache::step_attention`, kernels/step_cpu.cpp) against the same layers run op by op
+op (`specache::step_attention`, specache/kernels/step_cpu.cpp) against the same layers run op by op
 (`SpeCacheLayer.step_in_parts`, what a slow tier outside RAM or a probe runs), eager and compiled.
 
     python scripts/bench_step_op.py --checkpoint \

@@ -3,7 +3,7 @@
 # internet; no checkpoint travels there):
 #  1. the CUDA tests: the Triton low-bit kernels against their reference, mixed attention, and
 #     SpeCache (speculative, non-speculative, fetch waited, KIVI) and the full cache on tiny random
-#     models against their CPU runs; specache.py copied alone into a minimal host, on the GPU as
+#     models against their CPU runs; specache/ copied alone into a minimal host, on the GPU as
 #     it is (no kernels), against the reference decoder;
 #  2. the bench on a Llama-3-8B-shaped model with random weights, bf16: ms/step at 32k for the full
 #     cache and SpeCache 1-bit with the paper's selection and ours (whose real-row picks wait for a

@@ -14,14 +14,14 @@ summed over the steps and divided by them, goes into a part:
                  inductor's kernels and count under "other compiled kernels"
   full-cache attention   the full cache's decode attention (kernels/dense_cpu.c)
   SpeCache attention, one op   a layer's whole SpeCache attention with its slow tier in RAM
-                 (specache::step_attention, kernels/step_cpu.cpp: the four parts below in one
-                 call, which the profiler does not split)
-  low-bit read   SpeCache's pass over the 1-bit copy (kernels/lowbit_cpu.c), where it runs
+                 (specache::step_attention, specache/kernels/step_cpu.cpp: the four parts
+                 below in one call, which the profiler does not split)
+  low-bit read   SpeCache's pass over the 1-bit copy (specache/kernels/lowbit_cpu.c), where it runs
                  op by op (a slow tier on disk, or the profile of an older step)
   16-bit pairs and merge   SpeCache's attention over its fetched pairs, window and new rows, merged
-                 with the low-bit pass (kernels/dense_cpu.c's merge_segments; matmuls elsewhere)
-  choice and top-k   SpeCache's ranking of positions and top-k (kernels/rank_cpu.c; torch's topk
-  elsewhere)
+                 with the low-bit pass (specache/kernels/merge_cpu.c; matmuls elsewhere)
+  choice and top-k   SpeCache's ranking of positions and top-k (specache/kernels/rank_cpu.c;
+  torch's topk elsewhere)
   gather         gather and indexing (SpeCache's fetch of pairs from the slow tier in RAM)
   other compiled kernels   inductor's generated loops (norms, RoPE, masks, ...)
   other ops      the rest of torch's ops in the step
@@ -48,9 +48,9 @@ from tokenizer import get_tokenizer  # noqa: E402
 PARTS = [
     (
         "weights",
-        ("specache::quantized_linear", "aten::_weight_int8pack_mm", "specache::int4_matmul"),
+        ("gptfast::quantized_linear", "aten::_weight_int8pack_mm", "gptfast::int4_matmul"),
     ),
-    ("full-cache attention", ("specache::dense_decode_attention",)),
+    ("full-cache attention", ("gptfast::dense_decode_attention",)),
     ("SpeCache attention, one op", ("specache::step_attention",)),
     (
         "low-bit read",

@@ -11,7 +11,7 @@ full cache, and a hook on every full-attention layer's cache records the real ro
 step. Then, for every --stride-th step and each such layer, the step's attention is recomputed as
 SpeCache's real row would see it: the sinks, the window, the new token and k chosen positions
 exact, the rest of the quantized span from the 1-bit copy (keys per channel over groups of g
-tokens, values per token, specache.py's quantizer). It is compared with the exact attention:
+tokens, values per token, specache's quantizer). It is compared with the exact attention:
 
 - error: the relative error of the attention output, |o - o_exact| / |o_exact|, the mean over
   query heads, steps, layers and samples;
@@ -33,7 +33,7 @@ Choices of the k positions, all made by the step's own row (no speculation, as s
 - exact top-k (oracle): the k positions of most exact attention, the mean over its query heads.
 
 Each is measured for every 1-bit level rule (--levels: the paper's minmax, Lloyd's, midway; values
-are Lloyd's under midway, as specache.py stores them; and, for this study only, hadamard: Lloyd's
+are Lloyd's under midway, as specache/ stores them; and, for this study only, hadamard: Lloyd's
 levels over keys rotated by a Hadamard transform, queries rotated alike). The oracle's coverage is
 the most k positions can read. Its error is no floor (with a poor copy the error sits on the
 positions left out), but at Lloyd's levels it is the lowest seen: kivi to copy is what the fetch
@@ -82,7 +82,7 @@ CHOICES = (
     "shortlist + outliers",
     "exact top-k (oracle)",
 )
-# The level rules: specache.py's, and Lloyd's levels over keys rotated by a Hadamard transform
+# The level rules: specache's, and Lloyd's levels over keys rotated by a Hadamard transform
 # (study only: RaBitQ/QJL-style rotation spreads a key's outlier channels over all of them).
 STUDY_LEVELS = (*LEVELS, "hadamard")
 
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         default=list(LEVELS),
         choices=STUDY_LEVELS,
-        help="1-bit level rules (default: specache.py's; also hadamard: Lloyd's levels over "
+        help="1-bit level rules (default: specache's; also hadamard: Lloyd's levels over "
         "keys rotated by a Hadamard transform)",
     )
     parser.add_argument("--group", type=int, default=64, help="g (default 64)")

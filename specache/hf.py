@@ -2,7 +2,8 @@
 Mistral, Qwen2, SmolLM2), with the plain `transformers` package.
 
     from transformers import AutoModelForCausalLM
-    import specache, specache.hf
+    import specache
+    import specache.hf
 
     model = AutoModelForCausalLM.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")
     cache = specache.hf.plug(model, 1, max_seq_length=4096, config=specache.SpeCacheConfig())
@@ -15,9 +16,8 @@ over everything the cache holds and keeps what it must (specache/layer.py). The 
 `use_cache=False`: SpeCache is the cache, and transformers' Cache objects, whose update must return
 the whole 16-bit K and V, are not used. `generate` below is SpeCache's two-row decode loop
 (transformers' own generate runs one row per step). This module needs torch and transformers (the
-package's `hf` extra); it is imported only when asked for (`import specache.hf`). In this
-repository `caches.accelerate_specache()` lets the C and Triton kernels serve the ops (the tokens
-are the same either way).
+package's `hf` extra); it is imported only when asked for (`import specache.hf`). `plug` registers
+the package's C and Triton kernels (specache.kernels; the tokens are the same without them).
 """
 
 from typing import Callable, Sequence
@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 
+import specache.kernels
 from specache import SpeCache, SpeCacheConfig
 
 
@@ -60,15 +61,19 @@ def plug(
     batch_size: int,
     max_seq_length: int,
     config: SpeCacheConfig = SpeCacheConfig(),
+    kernels: bool = True,
 ) -> SpeCache:
     """SpeCache in every decoder layer of `model`, for `batch_size` sequences of up to
-    `max_seq_length` positions, and the model switched to it (back: set_attn_implementation)."""
+    `max_seq_length` positions, and the model switched to it (back: set_attn_implementation).
+    `kernels`: register the package's kernels first (`specache.kernels.register()`)."""
     c = model.config
     sliding = getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True)
     if sliding or any(kind != "full_attention" for kind in getattr(c, "layer_types", None) or []):
         raise ValueError(
             "this adapter serves models whose layers all attend over the whole context"
         )
+    if kernels:
+        specache.kernels.register()
     layers = model.get_decoder().layers
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     cache = SpeCache(

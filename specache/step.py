@@ -29,7 +29,8 @@ from specache.tiers import gather_pairs
 # merges, two rankings, the picks' gather and drop, the prefetch's gather) is small: dispatching
 # it op by op cost more than computing it (a SmolLM2 step at 1k made about 300 calls). So the
 # whole of a layer's attention in a step is one op, which a CPU kernel computes KV head by KV head
-# (kernels/step_cpu.cpp). Its definition is the composition the layer runs op by op elsewhere.
+# (specache/kernels/step_cpu.cpp). Its definition is the composition the layer runs op by op
+# elsewhere.
 
 
 def step_attention_reference(

@@ -205,7 +205,7 @@ def fixed_seed():
 
 @pytest.fixture(scope="session")
 def specache_kernels():
-    """The C kernels (and on a GPU the Triton ones) serve specache.py's ops where they build, as
+    """The C kernels (and on a GPU the Triton ones) serve specache's ops where they build, as
     they do once caches.py has plugged SpeCache into a model."""
     from caches import accelerate_specache
 

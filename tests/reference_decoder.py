@@ -1,7 +1,7 @@
-"""A slow, obviously-correct SpeCache decoder: the test oracle for specache.py.
+"""A slow, obviously-correct SpeCache decoder: the test oracle for specache/.
 
-Written from the algorithm's specification alone; it shares no code with specache.py, offload.py,
-kernels/ or their quantizer. Per sequence, per layer, per pass it fake-quantizes the whole
+Written from the algorithm's specification alone; it shares no code with specache/, kernels/ or
+their quantizer. Per sequence, per layer, per pass it fake-quantizes the whole
 quantized span [0, Lq) from the stored 16-bit pairs, overlays the exact positions (sinks,
 prefetched, real picks, window, the new rows) and takes one float32 softmax over everything.
 Only models whose layers all attend over the whole context are supported.

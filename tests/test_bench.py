@@ -100,8 +100,8 @@ def test_tables_give_ratios_to_the_fastest_full_cache_and_llama_cpp_of_the_same_
 def test_profile_parts_name_the_kernels_and_leave_wrappers_to_dispatch():
     from scripts.profile_step import part_of
 
-    assert part_of("specache::quantized_linear") == "weights"
-    assert part_of("specache::dense_decode_attention") == "full-cache attention"
+    assert part_of("gptfast::quantized_linear") == "weights"
+    assert part_of("gptfast::dense_decode_attention") == "full-cache attention"
     assert part_of("specache::lowbit_partial_attention") == "low-bit read"
     assert part_of("specache::top_positions") == "choice and top-k" == part_of("aten::topk")
     assert part_of("aten::gather") == "gather"

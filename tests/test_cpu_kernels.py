@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import cpu_build, cpu_ops, dense_cpu, linear_cpu
+from kernels import dense_cpu, host_ops, linear_cpu
+from specache.kernels import cpu_build
 from kernels.dense_cpu import dense_decode_attention, dense_decode_attention_reference
 from kernels.linear_cpu import quantized_linear, quantized_linear_reference
 from model import CausalPrompt
@@ -118,7 +119,8 @@ class OpsSeen(TorchDispatchMode):
 
 
 def test_cpp_and_python_dispatch_run_the_same_kernel():
-    """kernels/cpu_ops.cpp (the ops' CPU implementation where g++ builds it) and the Python one."""
+    """kernels/host_ops.cpp (the ops' CPU implementation where g++ builds it) and the Python
+    one."""
     codes, scales, zeros = quantize_int4(torch.randn(64, 128), 32)
     x = torch.randn(3, 128)
     assert torch.equal(
@@ -132,15 +134,19 @@ def test_without_gpp_the_python_dispatch_serves_with_one_warning(monkeypatch):
     import warnings
 
     monkeypatch.setattr(cpu_build.shutil, "which", lambda name: None)
-    cpu_ops._loaded.cache_clear()
+    host_ops.loaded.cache_clear()
     try:
         with pytest.warns(UserWarning, match="Python serves"):
-            assert not cpu_ops.hand_over("quantized_linear", linear_cpu._library().quantized_linear)
+            assert not host_ops.hand_over(
+                "quantized_linear", linear_cpu._library().quantized_linear
+            )
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # only one warning
-            assert not cpu_ops.hand_over("quantized_linear", linear_cpu._library().quantized_linear)
+            assert not host_ops.hand_over(
+                "quantized_linear", linear_cpu._library().quantized_linear
+            )
     finally:
-        cpu_ops._loaded.cache_clear()
+        host_ops.loaded.cache_clear()
 
 
 def test_quantized_linears_take_the_kernel_for_decode_rows_and_compile_to_one_op():
@@ -155,7 +161,7 @@ def test_quantized_linears_take_the_kernel_for_decode_rows_and_compile_to_one_op
         want = F.linear(x, weight)
         with OpsSeen() as seen:
             close(layer(x), want)
-        assert "specache.quantized_linear.default" in seen.names, (
+        assert "gptfast.quantized_linear.default" in seen.names, (
             "decode rows did not go through the kernel"
         )
         many = torch.randn(2, 20, 128)  # prefill: dequantize, then multiply
@@ -168,7 +174,7 @@ def test_quantized_linears_take_the_kernel_for_decode_rows_and_compile_to_one_op
             backend=lambda gm, inputs: graph.append(gm) or gm.forward,
         )
         close(compiled(x), want)
-        assert "specache.quantized_linear" in graph[0].code
+        assert "gptfast.quantized_linear" in graph[0].code
 
 
 def test_int4_without_the_kernel_packs_for_torch(monkeypatch):

@@ -27,7 +27,7 @@ def run(model, prompts, config, new_tokens=30, capacity=None):
 
 
 def test_mixed_attention_on_cuda_matches_the_cpu_reference(specache_kernels):
-    """specache.py's ops on the GPU (the Triton kernels for the low-bit pass) against attention
+    """specache's ops on the GPU (the Triton kernels for the low-bit pass) against attention
     spelled out over every key a row sees."""
     from test_lowbit_copy import lowbit_copy, mixed_attention, mixed_attention_reference, segments
 

@@ -1,4 +1,4 @@
-"""specache.py's low-bit copy (quantization rules, bit packing) and its mixed-precision attention,
+"""specache's low-bit copy (quantization rules, bit packing) and its mixed-precision attention,
 composed of its ops, against attention spelled out over every key a row sees."""
 
 import pytest
@@ -119,7 +119,7 @@ def lowbit_copy(bits, group, t=256, b=2, n_kv=3, d=64, seed=0):
 
 
 def mixed_attention(q, kv: LowBitKV, seg: Segments):
-    """Attention of q (B, H, S, D) over the four segments, from specache.py's ops: the output
+    """Attention of q (B, H, S, D) over the four segments, from specache's ops: the output
     (B, H, S, D) and the last row's weights of the history's positions [0, T), averaged over each KV
     head's query heads (B, Hkv, T)."""
     b, n_heads, s, d = q.shape
@@ -309,7 +309,7 @@ def test_dropping_positions_equals_excluding_them_from_the_pass(bits):
     picked = torch.stack([torch.randperm(100, generator=g)[:12] for _ in range(6)]).view(2, 3, 12)
     picked_valid = torch.rand(2, 3, 12, generator=g) < 0.8
     picked_valid[..., 0], picked_valid[..., 11] = True, False
-    # an invalid entry repeating a valid one (kernels/rank_cpu.c leaves them so)
+    # an invalid entry repeating a valid one (specache/kernels/rank_cpu.c leaves them so)
     picked[..., 11] = picked[..., 0]
     before = lowbit_partial_attention(rows, kv, seg)
     part = drop_from_lowbit(before, kv, picked, picked_valid)

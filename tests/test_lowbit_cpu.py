@@ -1,5 +1,5 @@
-"""kernels/lowbit_cpu: the C kernel (the -march=native build and a plain x86-64 one) against
-specache.py's plain-PyTorch definition of the op, the op once the kernel is registered (and the
+"""specache/kernels/lowbit_cpu: the C kernel (the -march=native build and a plain x86-64 one)
+against specache's plain-PyTorch definition of the op, the op once the kernel is registered (and the
 reference for shapes the kernel does not take), and the op under torch.compile.
 
 Tolerances: the kernel folds scales into the query and the weights and adds in another order than
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import specache
-from kernels import cpu_build, lowbit_cpu
+from specache.kernels import cpu_build, lowbit_cpu
 from specache.lowbit import LowBitKV, quantize_keys, quantize_values
 
 pytestmark = pytest.mark.skipif(
@@ -50,7 +50,7 @@ def lowbit_partial_attention_reference(rows, kv, visible_len, excluded_pos, excl
 
 
 def lowbit_partial_attention(rows, kv, visible_len, excluded_pos, excluded_valid):
-    """The op, as specache.py calls it."""
+    """The op, as the package calls it."""
     return torch.ops.specache.lowbit_partial_attention(
         rows, *kv[:6], kv.bits, kv.group, visible_len, excluded_pos, excluded_valid
     )
@@ -67,7 +67,7 @@ def portable():
 def problem(
     bits=1, d=64, group=64, t=200, m=6, b=2, n_kv=2, scale_dtype=torch.float16, visible=None, seed=0
 ):
-    """Rows, a low-bit copy of random K, V made by specache.py's quantizer (keys quantized over
+    """Rows, a low-bit copy of random K, V made by specache's quantizer (keys quantized over
     whole groups,
     then cut to T positions: the last group partial), a ragged visible_len and excluded positions:
     some valid, one invalid repeating a valid one's position, one valid beyond visible_len."""
@@ -202,7 +202,8 @@ def test_the_op_runs_the_kernel_once_registered_and_the_reference_where_it_canno
 
 
 def test_cpp_dispatch_runs_the_same_kernel_as_the_python_one(native):
-    """kernels/cpu_ops.cpp's implementation of the op (where g++ builds it) and the ctypes one."""
+    """specache/kernels/cpu_ops.cpp's implementation of the op (where g++ builds it) and the
+    ctypes one."""
     inputs = problem(2, 128, 32)
     assert all(
         torch.equal(x, y)

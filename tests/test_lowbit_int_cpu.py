@@ -1,6 +1,6 @@
-"""kernels/lowbit_int_cpu: the integer low-bit pass (the -march=native build, which runs VNNI where
-the CPU has it, and a plain x86-64 one) against its plain-PyTorch twin in specache.py, and the twin
-against the float pass within the bounds its two roundings allow.
+"""specache/kernels/lowbit_int_cpu: the integer low-bit pass (the -march=native build, which runs
+VNNI where the CPU has it, and a plain x86-64 one) against its plain-PyTorch twin in specache/, and
+the twin against the float pass within the bounds its two roundings allow.
 
 Exactness: given the same float inputs, the kernel's int8 operands are the twin's and its integer
 sums exact. Scores (hence weights, row_max, row_sum) differ from the twin's only by the order of
@@ -19,7 +19,7 @@ import torch
 from test_lowbit_cpu import problem
 
 import specache
-from kernels import cpu_build, lowbit_int_cpu
+from specache.kernels import cpu_build, lowbit_int_cpu
 from specache.integer import int8_scores, int8_value_mix
 from specache.lowbit import LowBitKV, dequantize_keys, dequantize_values, unpack_bits
 from specache.ops import Segments, lowbit_partial_attention

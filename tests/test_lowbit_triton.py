@@ -1,4 +1,4 @@
-"""The Triton kernels of the low-bit segment against specache.py's plain-PyTorch definition of the
+"""The Triton kernels of the low-bit segment against specache's plain-PyTorch definition of the
 op.
 
 On a GPU they run for real (scripts/gpu_check.sh); on a CPU with Triton installed they run in
@@ -31,7 +31,7 @@ CASES = [
 
 
 def check_all(device: str) -> None:
-    from kernels.lowbit_triton import run_kernels
+    from specache.kernels.lowbit_triton import run_kernels
     from specache.lowbit import LowBitKV, quantize_keys, quantize_values
     from specache.ops import lowbit_partial_attention_reference
 
@@ -89,7 +89,7 @@ def test_triton_kernels_match_the_reference_on_cuda():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_op_on_cuda_dispatches_to_triton_once_registered(monkeypatch):
-    from kernels import lowbit_triton
+    from specache.kernels import lowbit_triton
     from specache.lowbit import LowBitKV, quantize_keys, quantize_values
 
     assert lowbit_triton.register()

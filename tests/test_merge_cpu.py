@@ -1,7 +1,7 @@
-"""kernels/dense_cpu.py's kernel of the op specache::merge_segments: SpeCache's 16-bit segments in
-one softmax with the low-bit pass. The C kernel (the -march=native build and the plain x86-64 one)
-and specache.py's plain-PyTorch definition, both against a softmax spelled out over all the keys a
-row sees, the low-bit ones included; the op once the kernel is registered.
+"""specache/kernels/merge_cpu.py's kernel of the op specache::merge_segments: SpeCache's 16-bit
+segments in one softmax with the low-bit pass. The C kernel (the -march=native build and the plain
+x86-64 one) and specache's plain-PyTorch definition, both against a softmax spelled out over all the
+keys a row sees, the low-bit ones included; the op once the kernel is registered.
 
 Tolerances as in test_cpu_kernels.py: 1e-5 of the largest magnitude, where one wrong mask entry or
 row moves a probability by 1e-2 or more.
@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_build, dense_cpu
+from specache.kernels import cpu_build, merge_cpu
 from specache.ops import merge_segments_reference
 
 pytestmark = pytest.mark.skipif(
@@ -28,16 +28,16 @@ def close(got: torch.Tensor, want: torch.Tensor, tolerance: float = 1e-5) -> Non
 
 
 def merge_segments(*inputs):
-    """The op, as specache.py calls it."""
+    """The op, as the package calls it."""
     return torch.ops.specache.merge_segments(*inputs)
 
 
 @pytest.fixture(scope="module")
 def libs():
-    assert dense_cpu.register_merge(), "gcc is here but the kernel did not build"
-    built = {"native": dense_cpu.load(dense_cpu.build())}
+    assert merge_cpu.register(), "gcc is here but the kernel did not build"
+    built = {"native": merge_cpu.load(merge_cpu.build())}
     if platform.machine() in ("x86_64", "AMD64"):
-        built["portable"] = dense_cpu.load(dense_cpu.build(cpu_build.PORTABLE_FLAGS))
+        built["portable"] = merge_cpu.load(merge_cpu.build(cpu_build.PORTABLE_FLAGS))
     return built
 
 
@@ -138,7 +138,7 @@ SHAPES = [
 def test_merge_matches_a_softmax_over_every_key_a_row_sees(libs, dtype, shape):
     inputs, low = merge_problem(dtype=dtype, **shape)
     want = spelled_out(inputs, low)
-    kernels = [dense_cpu.run_merge_kernel(lib, *inputs) for lib in libs.values()]
+    kernels = [merge_cpu.run_merge_kernel(lib, *inputs) for lib in libs.values()]
     for got in [merge_segments_reference(*inputs), *kernels]:
         assert [x.shape for x in got] == [x.shape for x in want]
         for g, w in zip(got, want):
@@ -151,7 +151,7 @@ def test_merge_with_nothing_low_bit_yet(libs):
     inputs, low = merge_problem(lowbit=False)
     want = spelled_out(inputs, low)
     for lib in libs.values():
-        got = dense_cpu.run_merge_kernel(lib, *inputs)
+        got = merge_cpu.run_merge_kernel(lib, *inputs)
         assert torch.equal(got[1], torch.zeros_like(got[1]))
         for g, w in zip(got, want):
             close(g, w)
@@ -162,7 +162,7 @@ def test_unseen_pairs_get_exactly_zero(libs):
     inputs, _ = merge_problem(b=2, f=40, r=30)
     _, _, _, _, _, _, valid, _, _, window_len, _, _ = inputs
     for lib in libs.values():
-        _, _, p_fetched, p_window, p_new = dense_cpu.run_merge_kernel(lib, *inputs)
+        _, _, p_fetched, p_window, p_new = merge_cpu.run_merge_kernel(lib, *inputs)
         assert (p_fetched.masked_select(~valid.unsqueeze(2)) == 0).all()
         for bi in range(2):
             assert (p_window[bi, :, :, window_len[bi] :] == 0).all() and (
@@ -178,19 +178,19 @@ def test_merge_does_not_depend_on_threads_or_strides(libs):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = dense_cpu.run_merge_kernel(libs["native"], *inputs)
+        one = merge_cpu.run_merge_kernel(libs["native"], *inputs)
         torch.set_num_threads(max(2, threads))
-        more = dense_cpu.run_merge_kernel(libs["native"], *inputs)
+        more = merge_cpu.run_merge_kernel(libs["native"], *inputs)
     finally:
         torch.set_num_threads(threads)
-    contiguous = dense_cpu.run_merge_kernel(libs["native"], *(x.contiguous() for x in inputs))
+    contiguous = merge_cpu.run_merge_kernel(libs["native"], *(x.contiguous() for x in inputs))
     for a, b, c in zip(one, more, contiguous):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def test_cpp_and_python_dispatch_run_the_same_merge(libs):
     inputs, _ = merge_problem(dtype=torch.bfloat16)
-    for a, b in zip(merge_segments(*inputs), dense_cpu._serve_merge(libs["native"], *inputs)):
+    for a, b in zip(merge_segments(*inputs), merge_cpu._serve_merge(libs["native"], *inputs)):
         assert torch.equal(a, b)
 
 
@@ -220,4 +220,4 @@ def test_merge_bad_inputs_raise_value_error(libs, corrupt, message):
     with pytest.raises(ValueError, match=message):
         merge_segments(*corrupt(inputs))
     with pytest.raises(ValueError, match=message):
-        dense_cpu.run_merge_kernel(libs["native"], *corrupt(inputs))
+        merge_cpu.run_merge_kernel(libs["native"], *corrupt(inputs))

@@ -2,7 +2,7 @@
 alone, installed into a fresh virtual environment and run there in a fresh interpreter, from an
 empty folder where this repository is not on the path. The minimal host (tests/minimal_host.py)
 then matches the reference decoder, and a tiny HF Llama through `specache.hf` gives the tokens it
-gives through this repository's copy.
+gives through this repository's copy, on the kernels built from the installed sources.
 
 The environment gets the package from the wheel and nothing else: torch and transformers come from
 this one, behind it on the path (installing them would download gigabytes), so what is tested is
@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tiny_hf_model, reference_ops, specache_config, tiny_model
+import specache.kernels
+from conftest import make_tiny_hf_model, specache_config, tiny_model
 from reference_decoder import ReferenceDecoder
 from specache import Method, Placement, Selection, SpeCacheConfig
 from test_host import NEW_TOKENS, TINY_ATOL, TINY_LENGTHS, TINY_SEED, python, run_host
@@ -99,14 +100,15 @@ def test_the_minimal_host_on_the_installed_package_matches_the_reference_decoder
 
 
 HF_JOB = """
-import json, sys, torch, transformers, specache, specache.hf
+import json, sys, torch, transformers, specache, specache.hf, specache.kernels
 model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
 job = json.load(open(sys.argv[2]))
 config = specache.SpeCacheConfig(
     specache.Method(**job["method"]), specache.Selection.parse(job["select"])
 )
-cache = specache.hf.plug(model, len(job["prompts"]), job["capacity"], config)
-print(json.dumps(specache.hf.generate(model, cache, job["prompts"], job["new_tokens"])))
+cache = specache.hf.plug(model, len(job["prompts"]), job["capacity"], config)  # kernels registered
+tokens = specache.hf.generate(model, cache, job["prompts"], job["new_tokens"])
+print(json.dumps([specache.kernels.register(), tokens]))
 """
 
 
@@ -128,10 +130,33 @@ def test_a_tiny_hf_llama_through_the_installed_adapter_gives_the_repository_copy
     (tmp_path / "job.py").write_text(HF_JOB)
     result = python(tmp_path, "job.py", "model", "job.json", interpreter=interpreter)
     assert result.returncode == 0, result.stderr[-3000:]
-    try:  # the ops as the environment runs them: no kernels registered there
+    paths, tokens = json.loads(result.stdout)
+    # the kernels the installed sources build (the same builds: cached by a hash of the sources)
+    assert paths == specache.kernels.register()
+    try:
         cache = hf.plug(hf_model, len(prompts), 150, config)
-        with reference_ops():
-            expected = hf.generate(hf_model, cache, prompts, NEW_TOKENS)
+        expected = hf.generate(hf_model, cache, prompts, NEW_TOKENS)
     finally:
         hf_model.set_attn_implementation("sdpa")
-    assert json.loads(result.stdout) == expected
+    assert tokens == expected
+
+
+def test_without_compilers_the_ops_run_their_definitions_after_one_warning(tmp_path):
+    """No gcc or g++ on the path: every CPU op keeps its plain-PyTorch definition, register() says
+    so, and one warning (not one per kernel) says what did not build."""
+    job = (
+        "import json, warnings, specache.kernels\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    paths = specache.kernels.register()\n"
+        "print(json.dumps([paths, [str(w.message) for w in caught]]))\n"
+    )
+    (tmp_path / "bin").mkdir()  # a PATH with no compiler on it
+    env = {"PATH": str(tmp_path / "bin"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    result = subprocess.run(
+        [sys.executable, "-c", job], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    paths, caught = json.loads(result.stdout)
+    assert set(paths.values()) == {"plain PyTorch", "plain PyTorch, op by op"}
+    assert len(caught) == 1 and "gcc not found" in caught[0] and "g++ not found" in caught[0]

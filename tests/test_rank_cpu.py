@@ -1,5 +1,6 @@
-"""kernels/rank_cpu: SpeCache's choice of positions in one C op, against its plain-PyTorch reference
-(the native build and a plain x86-64 one), through the C++ dispatch and under torch.compile.
+"""specache/kernels/rank_cpu: SpeCache's choice of positions in one C op, against its plain-PyTorch
+reference (the native build and a plain x86-64 one), through the C++ dispatch and under
+torch.compile.
 
 The rankings here are random floats, so no two candidates tie and both must choose the same
 positions in the same order. tests/test_specache.py checks the op against a per-KV-head softmax
@@ -13,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_build, rank_cpu
+from specache.kernels import cpu_build, rank_cpu
 from specache.ops import top_positions_reference
 
 pytestmark = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""specache.py against an independent reference decoder (tests/reference_decoder.py), with top-k
+"""specache/ against an independent reference decoder (tests/reference_decoder.py), with top-k
 smaller than the context so that the selection matters.
 
 Both decoders are greedy and fp32; they must produce the same tokens, and logits that differ only by

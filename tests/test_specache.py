@@ -114,7 +114,7 @@ def test_fast_kernels_generate_what_the_reference_kernels_generate(
     cache, select, arithmetic, monkeypatch
 ):
     """Every variant (k = 0 is KIVI alone) through the C kernels, one op per layer and step
-    (specache::step_attention) == through the plain-PyTorch definitions of specache.py's ops
+    (specache::step_attention) == through the plain-PyTorch definitions of specache's ops
     (head_dim 64: the kernels' vector paths); there, each step's low-bit pass runs in the
     configured arithmetic (the one op's is held to it in test_step_cpu.py)."""
     passes, fused = [], []

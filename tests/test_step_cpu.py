@@ -1,6 +1,6 @@
-"""specache::step_attention on CPUs: kernels/step_cpu.cpp's one call per layer, which chains the C
-kernels KV head by KV head, against specache.py's definition of the op, run op by op on the same C
-kernels and on the plain-PyTorch ops (`reference_ops`).
+"""specache::step_attention on CPUs: specache/kernels/step_cpu.cpp's one call per layer, which
+chains the C kernels KV head by KV head, against specache's definition of the op, run op by op on
+the same C kernels and on the plain-PyTorch ops (`reference_ops`).
 
 What must agree: the output (within float32 rounding of the definition on the same kernels, and
 within the kernels' own tolerance of the plain ops), which picks were placed and where, the
@@ -168,7 +168,7 @@ def assert_same_step(args):
 
 
 def test_the_kernel_serves_the_op():
-    """Where g++ builds kernels/cpu_ops.cpp and step_cpu.cpp, the C++ implementation is
+    """Where g++ builds specache/kernels/cpu_ops.cpp and step_cpu.cpp, the C++ implementation is
     registered (else the rest of this file would compare the reference with itself)."""
     assert torch.ops.specache.enable_step_attention()
 

@@ -1,4 +1,4 @@
-"""specache.py's slow tier on a host: the RAM tier's moves, and reading with reuse (the GPU paths
+"""specache's slow tier on a host: the RAM tier's moves, and reading with reuse (the GPU paths
 that use it are in tests/test_cuda.py, the disk tier in tests/test_disk_tier.py)."""
 
 import torch

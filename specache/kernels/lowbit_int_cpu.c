@@ -1,6 +1,6 @@
 /* SpeCache's integer low-bit pass on CPUs: the attention of float query rows over packed 1-/2-bit
-   keys and values with both products on int8 operands. specache.py's
-   lowbit_partial_attention_int8_reference is the spec; kernels/lowbit_int_cpu.py builds this file
+   keys and values with both products on int8 operands. specache/ops.py's
+   lowbit_partial_attention_int8_reference is the spec; lowbit_int_cpu.py builds this file
    at first use and states the contract.
 
    - Keys: per row and key group j, with top = max |q * s_j|, q8 = round(q * s_j * (127 / top)),
@@ -9,7 +9,7 @@
      w8 = round(w * s_g * (127 / top)), and out += (top / 127) * (w8 . code) + w . z_g.
    The roundings use the twin's operations (one true division for 127 / top, round half to even),
    so q8 and w8 are the twin's own given the same float inputs, and the integer sums are exact:
-   only float sums (the biases, the tiles' terms) and exp (kernels/simd.h's polynomial) differ from
+   only float sums (the biases, the tiles' terms) and exp (simd.h's polynomial) differ from
    the twin, in their last bits.
 
    With AVX512-VNNI, VBMI and BITALG (Ice Lake, Zen 4 and later), 16 lanes of 4 bytes each go per
@@ -22,7 +22,7 @@
      products for 16 channels.
    With AVX2 alone, VPMADDUBSW and VPMADDWD do the same work in 8 lanes (see there). Other builds
    and shapes run the plain C functions, the same arithmetic one product at a time. The softmax,
-   the tasks and the threads are kernels/lowbit_driver.h's, as for the float pass. */
+   the tasks and the threads are lowbit_driver.h's, as for the float pass. */
 #include "lowbit_driver.h"
 
 #define INT8_TILE 64 /* specache.INT8_BLOCK: positions whose weights round against one largest */

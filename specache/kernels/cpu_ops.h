@@ -1,5 +1,5 @@
-// What kernels/cpu_ops.cpp and kernels/step_cpu.cpp share: the C kernels' Problem structs (the C
-// files', field for field), their addresses once kernels/cpu_ops.py hands them over, and the ops
+// What cpu_ops.cpp and step_cpu.cpp share: the C kernels' Problem structs (the C
+// files', field for field), their addresses once cpu_ops.py hands them over, and the ops
 // the one call per layer chains.
 #pragma once
 
@@ -24,22 +24,7 @@
 
 namespace specache_cpu {
 
-struct LinearProblem {  // kernels/linear_cpu.c
-  const void *x, *w, *scales, *zeros;
-  void *y;
-  int64_t m, n, k;
-  int32_t group, threads;
-};
-
-struct DenseProblem {  // kernels/dense_cpu.c
-  const void *q, *k, *v, *input_pos;
-  void *out;
-  int64_t batch, heads, kv_heads, s, d, t;
-  float scale;
-  int32_t dtype, threads;
-};
-
-struct MergeProblem {  // kernels/dense_cpu.c
+struct MergeProblem {  // merge_cpu.c
   const void *rows, *row_max, *row_sum, *lowbit_out;
   const void *k[3], *v[3];
   int64_t k_stride[3][3], v_stride[3][3];
@@ -50,7 +35,7 @@ struct MergeProblem {  // kernels/dense_cpu.c
   int32_t dtype[3], threads;
 };
 
-struct RankProblem {  // kernels/rank_cpu.c
+struct RankProblem {  // rank_cpu.c
   const void *weights, *scale, *p_fetched, *fetched_pos, *p_window, *window_start, *upper,
       *excluded_pos, *excluded_valid;
   void *indices, *valid;
@@ -58,7 +43,7 @@ struct RankProblem {  // kernels/rank_cpu.c
   int32_t s, row, max_over_heads, threads;
 };
 
-struct LowbitProblem {  // kernels/lowbit_cpu.c
+struct LowbitProblem {  // lowbit_cpu.c
   const void *rows, *k_packed, *v_packed, *k_scale, *k_zero, *v_scale, *v_zero, *visible_len,
       *excluded_pos, *excluded_valid;
   void *weights, *row_max, *row_sum, *out;
@@ -66,20 +51,16 @@ struct LowbitProblem {  // kernels/lowbit_cpu.c
   int32_t bits, group, value_groups, bf16, threads;
 };
 
-using LinearKernel = int (*)(const LinearProblem *);
-using DenseKernel = int (*)(const DenseProblem *);
 using MergeKernel = int (*)(const MergeProblem *);
 using RankKernel = int (*)(const RankProblem *);
 using LowbitKernel = int (*)(const LowbitProblem *);
-inline LinearKernel linear_kernel = nullptr;
-inline DenseKernel dense_kernel = nullptr;
 inline MergeKernel merge_kernel = nullptr;
 inline RankKernel rank_kernel = nullptr;
-inline LowbitKernel lowbit_kernel = nullptr;       // kernels/lowbit_cpu.c
-inline LowbitKernel lowbit_int8_kernel = nullptr;  // kernels/lowbit_int_cpu.c, the same struct
+inline LowbitKernel lowbit_kernel = nullptr;       // lowbit_cpu.c
+inline LowbitKernel lowbit_int8_kernel = nullptr;  // lowbit_int_cpu.c, the same struct
 
-// The op specache_plain::`name`: specache.py's plain-PyTorch definition of specache::`name`,
-// registered by kernels/cpu_ops.py, for the shapes a C kernel does not take.
+// The op specache_plain::`name`: the plain-PyTorch definition of specache::`name`,
+// registered by cpu_ops.py, for the shapes a C kernel does not take.
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> plain(const char *name) {
   return c10::Dispatcher::singleton()
@@ -92,7 +73,7 @@ inline int32_t dtype_code(at::ScalarType dtype) {
   return dtype == at::kFloat ? 0 : dtype == at::kBFloat16 ? 1 : 2;
 }
 
-// specache::lowbit_partial_attention (integer: its _int8 twin), in kernels/cpu_ops.cpp.
+// specache::lowbit_partial_attention (integer: its _int8 twin), in cpu_ops.cpp.
 template <bool integer>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_partial_attention(
     const at::Tensor &rows_in, const at::Tensor &k_packed_in, const at::Tensor &k_scale_in,
@@ -100,17 +81,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_partial_attent
     const at::Tensor &v_zero_in, int64_t bits, int64_t group, const at::Tensor &visible_len_in,
     const at::Tensor &excluded_pos_in, const at::Tensor &excluded_valid_in);
 
-// Registers `impl` as the op's implementation for CPU tensors, ahead of the Python one (for the
-// process's life).
+// Registers `impl` as the implementation of the op `ns`::`op` for CPU tensors, ahead of the Python
+// one (for the process's life).
 template <typename Impl>
-void register_cpu(const char *op, Impl impl) {
+void register_cpu(const char *ns, const char *op, Impl impl) {
   static std::vector<std::unique_ptr<torch::Library>> libraries;
-  libraries.push_back(std::make_unique<torch::Library>(torch::Library::IMPL, "specache",
+  libraries.push_back(std::make_unique<torch::Library>(torch::Library::IMPL, ns,
                                                        c10::DispatchKey::CPU, __FILE__, __LINE__));
   libraries.back()->impl(op, impl);
 }
 
-// Registers specache::step_attention's C++ implementation (kernels/step_cpu.cpp) once the kernels
+// Keeps a C kernel's address in `slot`; the first time, registers the C++ implementation `impl` of
+// the op `ns`::`op`.
+template <typename Kernel, typename Impl>
+void hand_over(const char *ns, Kernel &slot, int64_t address, const char *op, Impl impl) {
+  const bool first = slot == nullptr;
+  slot = reinterpret_cast<Kernel>(address);
+  if (first) register_cpu(ns, op, impl);  // else registered already; the new address serves
+}
+
+// Registers specache::step_attention's C++ implementation (step_cpu.cpp) once the kernels
 // it runs are handed over and its fallback is defined; whether it is registered.
 bool enable_step_attention();
 

@@ -1,8 +1,8 @@
 """The low-bit segment of SpeCache's attention on CPUs: a C kernel for the op
-`specache::lowbit_partial_attention` that specache.py defines (its plain-PyTorch definition,
+`specache::lowbit_partial_attention` that specache/ops.py defines (its plain-PyTorch definition,
 `lowbit_partial_attention_reference`, is the spec).
 
-The C kernel (kernels/lowbit_cpu.c) never dequantizes. Scales fold into the other operand
+The C kernel (lowbit_cpu.c) never dequantizes. Scales fold into the other operand
 (q . (code * s + z) = (q * s) . code + q . z for keys, per channel and key group; w (code * s + z) =
 (w * s) code + w z for values, per token and value group), and then both products are lookups in
 16-entry tables indexed by 4 bits of packed codes, 16 lanes per vpermps:
@@ -18,9 +18,9 @@ positions) with OpenMP, on torch's thread count; results do not depend on it. It
 that are multiples of 16 up to 256 and groups that are multiples of 8 (`takes`); other shapes go to
 the reference.
 
-`register()` compiles the kernel at first use (kernels/cpu_build.py; without AVX-512 the same file
+`register()` compiles the kernel at first use (cpu_build.py; without AVX-512 the same file
 builds plain C that runs the same tables one lookup at a time) and registers it for CPU tensors:
-dispatched in C++ (kernels/cpu_ops.cpp) where that builds, else through ctypes. Without gcc, or when
+dispatched in C++ (cpu_ops.cpp) where that builds, else through ctypes. Without gcc, or when
 the build fails, it returns False (with one warning) and the reference serves;
 SPECACHE_NO_CPU_KERNEL=1 forces that. `run_kernel(load(build(flags)), ...)` runs a given build.
 """
@@ -33,9 +33,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-import specache
-from kernels import cpu_build, cpu_ops
+from specache.kernels import cpu_build, cpu_ops
 from specache.lowbit import SCALE_DTYPES, LowBitKV, value_group
+from specache.ops import lowbit_partial_attention_reference
 
 SOURCE = Path(__file__).with_name("lowbit_cpu.c")
 FLAGS = cpu_build.FLAGS
@@ -141,7 +141,7 @@ class _Problem(ctypes.Structure):
 
 
 def build(flags: tuple[str, ...] = FLAGS) -> Path:
-    """Compile kernels/lowbit_cpu.c with `flags` into the cache (once) and return the library's
+    """Compile lowbit_cpu.c with `flags` into the cache (once) and return the library's
     path."""
     return cpu_build.build(SOURCE, flags)
 
@@ -254,6 +254,6 @@ def register() -> bool:
     return register_build(
         SOURCE,
         "lowbit_partial_attention",
-        specache.ops.lowbit_partial_attention_reference,
+        lowbit_partial_attention_reference,
         "the CPU low-bit kernel is unavailable, the reference serves",
     )

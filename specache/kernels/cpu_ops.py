@@ -1,15 +1,15 @@
-"""The C++ dispatch of the CPU kernels' most frequent ops (kernels/cpu_ops.cpp), and SpeCache's one
-op per layer (`specache::step_attention`, kernels/step_cpu.cpp), which chains them.
+"""The C++ dispatch of SpeCache's CPU kernels (cpu_ops.cpp), and its one op per layer
+(`specache::step_attention`, step_cpu.cpp), which chains them.
 
-A decode step calls `specache::quantized_linear` about 150 times and
-`specache::dense_decode_attention` once per layer. Their Python implementations (in
-kernels/linear_cpu.py and kernels/dense_cpu.py) check the inputs and call the C kernel through
-ctypes, some 12 us a call beyond the kernel; the C++ implementations do the same in about 2. When a
-kernel's module has built its C library it calls `hand_over`, which builds the two files once (g++
-against the running torch's headers, cached as kernels/cpu_build.py caches the C kernels) and
-registers the C++ implementation of that op for CPU tensors, ahead of the Python one. Without g++,
-or when the build fails, the Python implementations serve (one warning); SPECACHE_NO_CPU_OPS=1
-keeps them.
+A decode step calls the low-bit pass, the merge and the ranking several times per layer. Their
+Python implementations (lowbit_cpu.py, merge_cpu.py, rank_cpu.py) check the inputs and call the C
+kernel through ctypes, some 12 us a call beyond the kernel; the C++ implementations do the same in
+about 2. When a kernel's module has built its C library it calls `hand_over`, which builds the two
+files once (g++ against the running torch's headers, cached as cpu_build.py caches the C kernels)
+and registers the C++ implementation of that op for CPU tensors, ahead of the Python one. Without
+g++, or when the build fails, the Python implementations serve (one warning);
+SPECACHE_NO_CPU_OPS=1 keeps them. `build_extension` also builds the host's own dispatch (this
+repository's kernels/host_ops.cpp).
 """
 
 import ctypes
@@ -22,15 +22,17 @@ from typing import Callable, Optional
 
 import torch
 
-from kernels import cpu_build
+from specache.kernels import cpu_build
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 STEP_SOURCE = Path(__file__).with_name("step_cpu.cpp")  # specache::step_attention
 
 
-def build() -> Path:
-    """Compile kernels/cpu_ops.cpp and step_cpu.cpp against this torch (once per torch build)
-    into one library and return its path."""
+def build_extension(
+    source: Path, also: tuple[Path, ...] = (), include: tuple[Path, ...] = ()
+) -> Path:
+    """Compile the C++ `source` (and `also`) against this torch (once per torch build) into one
+    library, with the headers of `include` on the path, and return its path."""
     # the headers' location; imported here, only when building
     from torch.utils import (
         cpp_extension,
@@ -49,11 +51,16 @@ def build() -> Path:
         *(f"-I{p}" for p in cpp_extension.include_paths()),
     )
     libraries = (f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}")
-    return cpu_build.build(SOURCE, flags, "g++", libraries, also=(STEP_SOURCE,))
+    return cpu_build.build(source, flags, "g++", libraries, also=also, include=include)
+
+
+def build() -> Path:
+    """cpu_ops.cpp and step_cpu.cpp, built."""
+    return build_extension(SOURCE, also=(STEP_SOURCE,))
 
 
 @lru_cache(maxsize=None)
-def _loaded() -> bool:
+def loaded() -> bool:
     if os.environ.get("SPECACHE_NO_CPU_OPS") == "1":
         return False
     try:
@@ -70,12 +77,12 @@ _PLAIN = torch.library.Library("specache_plain", "FRAGMENT")
 
 
 def hand_over(op: str, function: ctypes._CFuncPtr, fallback: Optional[Callable] = None) -> bool:
-    """Register the C++ implementation of `op` (quantized_linear, dense_decode_attention,
-    merge_segments, lowbit_partial_attention or top_positions) around the C kernel `function`;
+    """Register the C++ implementation of `op` (merge_segments, lowbit_partial_attention, its
+    _int8 twin, or top_positions) around the C kernel `function`;
     False where it cannot be built (the Python implementation serves). `fallback`: the op's
     plain-PyTorch definition, which the C++ implementation calls, as the op specache_plain::`op`,
     for shapes the C kernel does not take."""
-    if not _loaded():
+    if not loaded():
         return False
     if fallback is not None:
         _define_plain(op, fallback)
@@ -88,7 +95,7 @@ def fuse_step(reference: Callable) -> bool:
     of the low-bit pass, the merge and the ranking KV head by KV head, once those are handed over;
     False where it cannot (the reference, op by op, serves). `reference`: the op's plain-PyTorch
     definition, which it calls for shapes the kernels do not take."""
-    if not _loaded():
+    if not loaded():
         return False
     _define_plain("step_attention", reference)
     return torch.ops.specache.enable_step_attention()

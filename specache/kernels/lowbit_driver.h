@@ -1,5 +1,5 @@
-/* What SpeCache's two CPU low-bit kernels share (kernels/lowbit_cpu.c, the float pass, and
-   kernels/lowbit_int_cpu.c, the integer one): the Problem struct, the split of a call into tasks,
+/* What SpeCache's two CPU low-bit kernels share (lowbit_cpu.c, the float pass, and
+   lowbit_int_cpu.c, the integer one): the Problem struct, the split of a call into tasks,
    the two phases around the softmax, and the transposition of key code words.
 
    Work is split into tasks of (batch, head, chunk of positions), chosen without regard to the

@@ -1,5 +1,5 @@
 """SpeCache's choice of exact pairs on CPUs: a C kernel for the op `specache::top_positions` that
-specache.py defines (`top_positions_reference` there is the spec):
+specache/ops.py defines (`top_positions_reference` there is the spec):
 
     top_positions(weights, scale, p_fetched, fetched_pos, p_window, window_start, s, row, gqa_max,
                   lower, upper, excluded_pos, excluded_valid, k) -> (indices, valid)
@@ -18,9 +18,9 @@ attention gives them, and returns each KV head's k best candidates, best first:
 reference's torch.topk breaks them its own way. Invalid entries point at position 0 in the kernel
 and at any non-candidate in the reference; callers ignore them.
 
-The C kernel (kernels/rank_cpu.c) reads each query head's weights once, over the candidate range
+The C kernel (rank_cpu.c) reads each query head's weights once, over the candidate range
 only, and keeps the best k in a heap. `register()` builds it at first use and registers it for CPU
-tensors, dispatched in C++ (kernels/cpu_ops.cpp) where that builds, else through ctypes. Without
+tensors, dispatched in C++ (cpu_ops.cpp) where that builds, else through ctypes. Without
 gcc it returns False and the reference serves; SPECACHE_NO_CPU_KERNEL=1 forces that.
 """
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kernels import cpu_build, cpu_ops
+from specache.kernels import cpu_build, cpu_ops
 
 SOURCE = Path(__file__).with_name("rank_cpu.c")
 Outputs = tuple[Tensor, Tensor]

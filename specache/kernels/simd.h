@@ -1,7 +1,7 @@
 /* What the C kernels beside this file share: the AVX-512 switch, float conversions and exp.
 
    VECTOR is defined where AVX-512 (F, BW, VL) and F16C are: the kernels' vectorized paths; builds
-   without them run each kernel's plain C loops. kernels/cpu_build.py hashes this file into every
+   without them run each kernel's plain C loops. cpu_build.py hashes this file into every
    kernel's build. */
 #ifndef SPECACHE_SIMD_H
 #define SPECACHE_SIMD_H

@@ -1,13 +1,11 @@
-// The CPU ops that a decode step calls most, dispatched in C++: specache::quantized_linear (about
-// 150 calls a step on SmolLM2), specache::dense_decode_attention (one per layer), and SpeCache's
-// specache::lowbit_partial_attention (or its _int8 twin), specache::merge_segments and
-// specache::top_positions, which specache::step_attention (kernels/step_cpu.cpp) chains in one call
-// per layer. Their Python implementations (kernels/linear_cpu.py, dense_cpu.py, lowbit_cpu.py,
-// rank_cpu.py: `_op`) check the inputs, fill a ctypes struct and call the C kernel, about 12 us a
-// call; this does the same in about 2.
+// SpeCache's CPU ops dispatched in C++: specache::lowbit_partial_attention (or its _int8 twin),
+// specache::merge_segments and specache::top_positions, which specache::step_attention
+// (step_cpu.cpp) chains in one call per layer. Their Python implementations (lowbit_cpu.py,
+// merge_cpu.py, rank_cpu.py) check the inputs, fill a ctypes struct and call the C kernel, about
+// 12 us a call; this does the same in about 2.
 //
-// kernels/cpu_ops.py builds it, with step_cpu.cpp, at first use against the running torch's
-// headers. Each kernel's module hands over its C function's address once it has built it
+// cpu_ops.py builds it, with step_cpu.cpp, at first use against the running torch's headers. Each
+// kernel's module hands over its C function's address once it has built it
 // (specache::set_cpu_kernel), and only then does this file register its implementation of that op
 // for CPU tensors, ahead of the Python one; where this file does not build, the Python
 // implementations serve.
@@ -29,97 +27,7 @@ void check_exclusions(const char *op, const at::Tensor &excluded_pos,
       op, ": excluded_pos must be (B, Hkv, E) int64 and excluded_valid bool of its shape");
 }
 
-at::Tensor quantized_linear(const at::Tensor &x_in, const at::Tensor &codes_in,
-                            const at::Tensor &scales_in, const std::optional<at::Tensor> &zeros_in,
-                            int64_t group) {
-  TORCH_CHECK(linear_kernel, "quantized_linear: the C kernel was not handed over");
-  TORCH_CHECK_VALUE(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(0) >= 1 &&
-                        x_in.size(0) <= 16,
-                    "quantized_linear: x must be (M, K) float32 with 1 <= M <= 16");
-  const int64_t m = x_in.size(0), k = x_in.size(1), n = codes_in.size(0);
-  if (group == 0) {
-    TORCH_CHECK_VALUE(
-        codes_in.dim() == 2 && codes_in.scalar_type() == at::kChar && codes_in.size(1) == k,
-        "quantized_linear: int8 codes must be (N, K) int8");
-    TORCH_CHECK_VALUE(
-        scales_in.dim() == 1 && scales_in.size(0) == n && scales_in.scalar_type() == at::kFloat,
-        "quantized_linear: int8 scales must be (N,) float32");
-  } else {
-    TORCH_CHECK_VALUE(group >= 2 && group % 2 == 0 && k % group == 0,
-                      "quantized_linear: the int4 group must be even and divide K");
-    TORCH_CHECK_VALUE(
-        codes_in.dim() == 2 && codes_in.scalar_type() == at::kByte && codes_in.size(1) * 2 == k,
-        "quantized_linear: int4 codes must be (N, K/2) uint8");
-    TORCH_CHECK_VALUE(zeros_in.has_value(), "quantized_linear: int4 needs zeros");
-    for (const at::Tensor *t : {&scales_in, &*zeros_in})
-      TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == n && t->size(1) == k / group &&
-                            t->scalar_type() == at::kFloat,
-                        "quantized_linear: int4 scales and zeros must be (N, K/group) float32");
-  }
-  const at::Tensor x = x_in.contiguous(), codes = codes_in.contiguous(),
-                   scales = scales_in.contiguous();
-  const at::Tensor zeros = group == 0 ? scales : zeros_in->contiguous();
-  at::Tensor y = at::empty({m, n}, x.options());
-  const LinearProblem problem{x.data_ptr(),
-                              codes.data_ptr(),
-                              scales.data_ptr(),
-                              zeros.data_ptr(),
-                              y.data_ptr(),
-                              m,
-                              n,
-                              k,
-                              static_cast<int32_t>(group),
-                              static_cast<int32_t>(at::get_num_threads())};
-  TORCH_CHECK(linear_kernel(&problem) == 0,
-              "linear_cpu.c rejected a problem that passed the checks");
-  return y;
-}
-
-at::Tensor dense_decode_attention(const at::Tensor &q_in, const at::Tensor &k_in,
-                                  const at::Tensor &v_in, const at::Tensor &input_pos_in,
-                                  std::optional<double> scale) {
-  TORCH_CHECK(dense_kernel, "dense_decode_attention: the C kernel was not handed over");
-  TORCH_CHECK_VALUE(q_in.dim() == 4 && q_in.scalar_type() == at::kFloat,
-                    "dense_decode_attention: q must be (B, H, S, D) float32");
-  const int64_t b = q_in.size(0), h = q_in.size(1), s = q_in.size(2), d = q_in.size(3);
-  const auto dtype = k_in.scalar_type();
-  TORCH_CHECK_VALUE(
-      k_in.dim() == 4 && k_in.size(0) == b && k_in.size(3) == d &&
-          (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf),
-      "dense_decode_attention: k must be (B, Hkv, T, D) float32, bfloat16 or float16");
-  TORCH_CHECK_VALUE(v_in.sizes() == k_in.sizes() && v_in.scalar_type() == dtype,
-                    "dense_decode_attention: v must be shaped and typed like k");
-  const int64_t hkv = k_in.size(1), t = k_in.size(2);
-  TORCH_CHECK_VALUE(
-      h % hkv == 0 && h / hkv * s <= 64 && d >= 1 && d <= 256,
-      "dense_decode_attention: need H a multiple of Hkv, (H / Hkv) x S <= 64 and D <= 256");
-  TORCH_CHECK_VALUE(input_pos_in.dim() == 2 && input_pos_in.size(0) == b &&
-                        input_pos_in.size(1) == s && input_pos_in.scalar_type() == at::kLong,
-                    "dense_decode_attention: input_pos must be (B, S) int64");
-  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(),
-                   pos = input_pos_in.contiguous();
-  at::Tensor out = at::empty(q.sizes(), q.options());
-  const int32_t code = dtype_code(dtype);
-  const DenseProblem problem{
-      q.data_ptr(),
-      k.data_ptr(),
-      v.data_ptr(),
-      pos.data_ptr(),
-      out.data_ptr(),
-      b,
-      h,
-      hkv,
-      s,
-      d,
-      t,
-      static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(d)))),
-      code,
-      static_cast<int32_t>(at::get_num_threads())};
-  TORCH_CHECK(dense_kernel(&problem) == 0, "dense_cpu.c rejected a problem that passed the checks");
-  return out;
-}
-
-// The checks guard the kernel's reads and writes; kernels/dense_cpu.py's _check_merge states the
+// The checks guard the kernel's reads and writes; merge_cpu.py's _check_merge states the
 // whole contract.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_segments(
     const at::Tensor &rows_in, const at::Tensor &row_max_in, const at::Tensor &row_sum_in,
@@ -198,15 +106,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_seg
   problem.m = m;
   problem.d = d;
   problem.threads = static_cast<int32_t>(at::get_num_threads());
-  TORCH_CHECK(merge_kernel(&problem) == 0, "dense_cpu.c rejected a merge that passed the checks");
+  TORCH_CHECK(merge_kernel(&problem) == 0, "merge_cpu.c rejected a merge that passed the checks");
   return {out, lowbit_scale, probs[0], probs[1], probs[2]};
 }
 
 }  // namespace
 
-// The checks guard the kernel's reads and writes; kernels/lowbit_cpu.py's _check states the whole
+// The checks guard the kernel's reads and writes; lowbit_cpu.py's _check states the whole
 // contract. Integer: specache::lowbit_partial_attention_int8, the same contract with
-// kernels/lowbit_int_cpu.c.
+// lowbit_int_cpu.c.
 template <bool integer>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_partial_attention(
     const at::Tensor &rows_in, const at::Tensor &k_packed_in, const at::Tensor &k_scale_in,
@@ -240,14 +148,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_partial_attent
     TORCH_CHECK_VALUE(
         x->sizes() == at::IntArrayRef(shape) &&
             x->scalar_type() == (x == &k_packed_in || x == &v_packed_in ? at::kByte : scale_type),
-        "lowbit_partial_attention: the low-bit copy's tensors do not have kernels/quant.py's "
+        "lowbit_partial_attention: the low-bit copy's tensors do not have specache/lowbit.py's "
         "layout");
   TORCH_CHECK_VALUE(visible_len_in.dim() == 1 && visible_len_in.size(0) == b &&
                         visible_len_in.scalar_type() == at::kLong,
                     "lowbit_partial_attention: visible_len must be (B,) int64");
   check_exclusions("lowbit_partial_attention", excluded_pos_in, excluded_valid_in, b, h);
   if (!(d % 16 == 0 && d >= 16 && d <= 256 && group % 8 == 0 && group <= (1 << 20))) {
-    // a shape the C kernel does not take: specache.py's reference
+    // a shape the C kernel does not take: specache/ops.py's reference
     static const auto reference = plain<decltype(lowbit_partial_attention<integer>)>(name);
     return reference.call(rows_in, k_packed_in, k_scale_in, k_zero_in, v_packed_in, v_scale_in,
                           v_zero_in, bits, group, visible_len_in, excluded_pos_in,
@@ -304,7 +212,7 @@ template std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_parti
 
 namespace {
 
-// The checks guard the kernel's reads and writes; kernels/rank_cpu.py's _check states the whole
+// The checks guard the kernel's reads and writes; rank_cpu.py's _check states the whole
 // contract.
 std::tuple<at::Tensor, at::Tensor> top_positions(
     const at::Tensor &weights_in, const at::Tensor &scale_in, const at::Tensor &p_fetched_in,
@@ -372,32 +280,19 @@ std::tuple<at::Tensor, at::Tensor> top_positions(
   return {indices, valid};
 }
 
-// Keeps a C kernel's address in `slot`; the first time, registers the op's C++ implementation
-// `impl`.
-template <typename Kernel, typename Impl>
-void hand_over(Kernel &slot, int64_t address, const char *op, Impl impl) {
-  const bool first = slot == nullptr;
-  slot = reinterpret_cast<Kernel>(address);
-  if (first) register_cpu(op, impl);  // else registered already; the new address serves
-}
-
 // The op `name`'s C kernel is at `address`: keep it and register the C++ implementation for CPU
 // tensors.
 void set_cpu_kernel(const std::string &name, int64_t address) {
   TORCH_CHECK(address != 0, "set_cpu_kernel: a null address");
   const char *op = name.c_str();
-  if (name == "quantized_linear")
-    hand_over(linear_kernel, address, op, &quantized_linear);
-  else if (name == "dense_decode_attention")
-    hand_over(dense_kernel, address, op, &dense_decode_attention);
-  else if (name == "merge_segments")
-    hand_over(merge_kernel, address, op, &merge_segments);
+  if (name == "merge_segments")
+    hand_over("specache", merge_kernel, address, op, &merge_segments);
   else if (name == "top_positions")
-    hand_over(rank_kernel, address, op, &top_positions);
+    hand_over("specache", rank_kernel, address, op, &top_positions);
   else if (name == "lowbit_partial_attention")
-    hand_over(lowbit_kernel, address, op, &lowbit_partial_attention<false>);
+    hand_over("specache", lowbit_kernel, address, op, &lowbit_partial_attention<false>);
   else if (name == "lowbit_partial_attention_int8")
-    hand_over(lowbit_int8_kernel, address, op, &lowbit_partial_attention<true>);
+    hand_over("specache", lowbit_int8_kernel, address, op, &lowbit_partial_attention<true>);
   else
     TORCH_CHECK(false, "set_cpu_kernel: no C++ implementation of ", name);
 }

@@ -1,10 +1,10 @@
-"""Building the C kernels beside this file (lowbit_cpu.c, linear_cpu.c) at first use.
+"""Building C kernels (those beside this file, and the host's) at first use.
 
 Each is compiled with gcc -O3 -march=native -fopenmp into $XDG_CACHE_HOME/specache (or
-~/.cache/specache), named by a hash of the source and the headers beside it, the flags, `gcc
---version` and the macros
--march=native defines here (so that a shared home directory never loads another CPU's build), and
-published by an atomic rename, so that concurrent processes see no file or a whole one. The
+~/.cache/specache), named by a hash of the source and the headers it may include (beside it, and in
+the folders it is given), the flags, `gcc --version` and the macros -march=native defines here (so
+that a shared home directory never loads another CPU's build), and published by an atomic rename,
+so that concurrent processes see no file or a whole one. The
 kernels' OpenMP threads come from the libgomp that torch has loaded already (one thread pool).
 """
 
@@ -35,9 +35,11 @@ def build(
     compiler: str = "gcc",
     libraries: tuple[str, ...] = (),
     also: tuple[Path, ...] = (),
+    include: tuple[Path, ...] = (),
 ) -> Path:
     """Compile `source` with `flags` (and the sources `also` beside it, into one library, linked
-    with the `libraries` flags) into the cache (once) and return the library's path."""
+    with the `libraries` flags, the headers in the folders `include` on the path) into the cache
+    (once) and return the library's path."""
     gcc = shutil.which(compiler)
     if gcc is None:
         raise RuntimeError(f"{compiler} not found")
@@ -47,8 +49,10 @@ def build(
 
     # the macros -march=native turns on here
     target = run(*flags, "-dM", "-E", "-x", "c", os.devnull)
+    flags = (*flags, *(f"-I{folder}" for folder in include))
     # what the sources may include
-    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]
+    folders = (source.parent, *include)
+    headers = [h.read_text() for folder in folders for h in sorted(folder.glob("*.h"))]
     parts = [
         source.read_text(),
         *(s.read_text() for s in also),

@@ -1,8 +1,8 @@
 /* SpeCache's choice of positions on CPUs: the k positions of the history where one new row of the
    mixed-precision attention puts the most weight, per sequence and KV head, in one pass.
 
-   kernels/rank_cpu.py states the contract and builds this file at first use. The plain-PyTorch
-   version (row_position_weights, over_query_heads and select_top_k of kernels/attention.py) runs
+   rank_cpu.py states the contract and builds this file at first use. The plain-PyTorch
+   version (specache/ops.py's top_positions_reference and position_weights) runs
    six to eight ops over (B, Hkv, G, T) tensors, scatter-adds among them, then a top-k; this reads
    each query head's low-bit weights once, only over the candidate range, adds the few 16-bit
    weights in place, and keeps the best k in a heap.

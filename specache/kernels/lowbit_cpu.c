@@ -1,6 +1,6 @@
 /* Attention of float query rows over SpeCache's packed 1-/2-bit keys and values, on CPUs.
 
-   kernels/lowbit_cpu.py states the contract and the layout, and builds this file at first use
+   lowbit_cpu.py states the contract and the layout, and builds this file at first use
    (gcc -O3 -march=native -fopenmp). Neither keys nor values are ever dequantized: both products
    are table lookups on nibbles (4 bits) of the packed codes.
 
@@ -12,7 +12,7 @@
      folded into the weight (w' = w * s per token and value group) and the zero summed apart
      (w . z), the table L[v] = sum over those tokens of w'_t * code_t(v) holds every partial sum the
      tokens can give one channel; each 16 channels take one vpermps and an add per row.
-   - Softmax, tasks and threads: kernels/lowbit_driver.h, which kernels/lowbit_int_cpu.c shares.
+   - Softmax, tasks and threads: lowbit_driver.h, which lowbit_int_cpu.c shares.
 
    With AVX-512 (F, BW, VL) and F16C, head_dim 64, 128 or 256 and group a multiple of 16 take the
    vectorized paths; other shapes, and builds without them, take the plain C functions, which run

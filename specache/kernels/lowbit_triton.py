@@ -1,6 +1,6 @@
 """The low-bit segment of SpeCache's attention on GPUs: two Triton kernels.
 
-The op `specache::lowbit_partial_attention` that specache.py defines (its
+The op `specache::lowbit_partial_attention` that specache/ops.py defines (its
 `lowbit_partial_attention_reference` is the spec), for CUDA tensors: for rows (B, Hkv, M, D,
 already scaled) and the packed low-bit copy, the softmax pieces over the
 positions [0, visible_len) less the valid excluded ones: weights exp(score - row_max) (B, Hkv, M,
@@ -8,7 +8,7 @@ T),
 row_max, row_sum (B, Hkv, M) and the unnormalized output (B, Hkv, M, D).
 
 Each program takes one (sequence, KV head) and BLOCK_T positions, and unpacks their codes in
-registers (code = byte >> (channel * bits % 8) & mask, the layout of kernels/quant.py), never
+registers (code = byte >> (channel * bits % 8) & mask, the layout of specache/lowbit.py), never
 writing a dequantized copy to memory:
 1. `_scores`: keys = code * scale + zero per (key group, channel); scores = rows . keys (one
    tl.dot, the M rows padded to 16), masked, written into `weights`; each block's row maxima.
@@ -28,7 +28,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-import specache
+from specache.ops import lowbit_partial_attention_reference
 
 try:
     import triton
@@ -177,7 +177,7 @@ def run_kernels(
     excluded_valid: Tensor,
 ) -> Outputs:
     """Launch both kernels on CUDA tensors (or CPU ones under TRITON_INTERPRET=1) of the layout that
-    kernels/lowbit_cpu.py checks; returns (weights, row_max, row_sum, out)."""
+    lowbit_cpu.py checks; returns (weights, row_max, row_sum, out)."""
     b, h, m, d = rows.shape
     # nothing fetched (KIVI): one invalid slot keeps the pointers real
     if excluded_pos.shape[2] == 0:
@@ -244,7 +244,7 @@ def _serve(*inputs) -> Outputs:
     rows, bits, group = inputs[0], inputs[7], inputs[8]
     if supports(rows, bits, group):
         return run_kernels(*inputs)
-    return specache.ops.lowbit_partial_attention_reference(*inputs)
+    return lowbit_partial_attention_reference(*inputs)
 
 
 @lru_cache(maxsize=None)

@@ -1,7 +1,7 @@
 // specache::step_attention: a layer's whole attention in a decode step, its slow tier in the same
-// RAM (specache.py's step_attention_reference states it). The low-bit pass runs over all KV heads
+// RAM (specache/step.py's step_attention_reference states it). The low-bit pass runs over all KV heads
 // (its kernel splits the positions among the threads); everything else, small beside it, runs KV
-// head by KV head on the C kernels that kernels/cpu_ops.cpp dispatches: the merge, the real row's
+// head by KV head on the C kernels that cpu_ops.cpp dispatches: the merge, the real row's
 // ranking (with a shortlist, the exact scores of the pairs it lists and their ranking), its picks'
 // gather into the slots and their drop from the low-bit sums, the merge again, the last row's
 // ranking and the prefetch's gather. Shapes the kernels do not take go to the reference.
@@ -13,7 +13,7 @@
 namespace specache_cpu {
 namespace {
 
-constexpr float kDropRounding = 1e-5f;  // specache.py's DROP_ROUNDING
+constexpr float kDropRounding = 1e-5f;  // specache/select.py's DROP_ROUNDING
 constexpr int64_t kPrefetchAhead = 8;   // listed keys the shortlist's scoring asks for ahead
 
 // A query row times a key, float32, d a multiple of 8: eight partial sums, which the compiler
@@ -270,7 +270,7 @@ StepResult step_attention(
     else
       widen(static_cast<const at::Half *>(tier_keys) + offset, d, key);
   };
-  // shortlist (specache.py's rank_shortlist): of the listed candidates, the n_picks whose exact
+  // shortlist (specache/select.py's rank_shortlist): of the listed candidates, the n_picks whose exact
   // keys weigh most, as exp(score - the low-bit row max) x the low-bit scale (the copy's own
   // measure), max or mean over query heads
   const int64_t query_heads = m / s;
@@ -379,14 +379,14 @@ StepResult step_attention(
 }  // namespace
 
 // specache::step_attention's C++ implementation, for CPU tensors, once the kernels it runs are
-// handed over and kernels/cpu_ops.py has registered its reference as specache_plain::step_attention
+// handed over and cpu_ops.py has registered its reference as specache_plain::step_attention
 // (the fallback); false until then.
 bool enable_step_attention() {
   static bool registered = false;
   const bool fallback =
       c10::Dispatcher::singleton().findSchema({"specache_plain::step_attention", ""}).has_value();
   if (registered || !(lowbit_kernel && merge_kernel && rank_kernel && fallback)) return registered;
-  register_cpu("step_attention", &step_attention);
+  register_cpu("specache", "step_attention", &step_attention);
   return registered = true;
 }
 
