@@ -221,6 +221,8 @@ class DiskTier:
     """A specache.SlowTier: the complete 16-bit K and V of one layer (TierSpec.shape (B, Hkv, T,
     D)) in a file of `folder`."""
 
+    gathered_in_step = False
+
     def __init__(self, spec: TierSpec, folder: DiskFolder):
         self.batch, self.n_kv_heads, self.capacity, self.head_dim = spec.shape
         self.spec, self.dtype, self.folder, self.reuse = spec, spec.dtype, folder, spec.reuse

@@ -37,7 +37,7 @@ Choosing the exact pairs: the paper's rule and ours. With a 1-bit copy, the pape
 speculative row's top-k, averaged over each KV head's query heads) loses most needle retrievals on
 the models measured here: the speculative row attends with pairs chosen for another query, its
 choice for the next step is worse for it, and the real row pays. Ours lets the real row choose half
-of the k pairs within the step from its own low-bit scores (`pick_within_step`): the copy lists 8
+of the k pairs within the step from its own low-bit scores (step.py): the copy lists 8
 candidates per pick, whose 16-bit keys decide (the shortlist). Smaller changes follow; `Selection`
 names every rule.
 
@@ -46,13 +46,14 @@ real row's own low-bit top-k, fetched and waited for); `topk=0` is KIVI alone (t
 the window, nothing fetched).
 
 Reading order. The paper's method: this page, then cache.py (the driver: prefill, bootstrap, the
-two-row step), then layer.py (one layer's cache and its passes), with the pieces they call:
-config.py (the settings and the fast tier's size), lowbit.py (the copy), ops.py (the ops a step
-runs, in plain PyTorch), select.py (the choice of pairs), tiers.py (the slow tier), state.py and
-prefill.py. Ours, each apart: guess.py (the prompt-lookup guess beside the paper's greedy one),
-integer.py (the integer pass), step.py (a step's attention as one op, for a CPU), pinned.py (the
-slow tier beside a GPU) and rows.py (sequences that come and go in one cache). Faster kernels for
-the ops live in specache/kernels (`specache.kernels.register()`); the results are the same.
+two-row step), layer.py (one layer's cache and its passes) and step.py (a decode step's attention,
+written once: the rows over the four segments, the real row's picks within the step, the next
+prefetch), with the pieces they call: config.py (the settings and the fast tier's size), lowbit.py
+(the copy), ops.py (the ops a step runs, in plain PyTorch), select.py (the choice of pairs),
+tiers.py (the slow tier), state.py and prefill.py. Ours, each apart: guess.py (the prompt-lookup
+guess beside the paper's greedy one), integer.py (the integer pass), pinned.py (the slow tier
+beside a GPU) and rows.py (sequences that come and go in one cache). Faster kernels for the ops
+live in specache/kernels (`specache.kernels.register()`); the results are the same.
 """
 
 from specache.cache import SpeCache

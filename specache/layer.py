@@ -13,31 +13,20 @@ from specache.ops import (
     LowBitPart,
     Merged,
     Segments,
-    lowbit_partial_attention,
-    merge_segments,
     query_rows,
-    top_positions,
 )
 from specache.prefill import attention_after_history, history_block
 from specache.select import (
     exact_slots,
-    first_pick_slot,
-    picks_placed,
-    prefetch_positions,
     queries_disagree,
-    rank_shortlist,
-    shortlist_listed,
-    take_picks,
 )
 from specache.state import DECODE, PREFILL, SpeCacheState
-from specache.step import step_attention
+from specache.step import attend_and_choose, step_attention
 from specache.tiers import (
     Kappa,
     PrefetchSlots,
-    RamTier,
     SlowTier,
     TierSpec,
-    gather_pairs,
     held_match,
 )
 
@@ -273,8 +262,7 @@ class SpeCacheLayer(nn.Module):
         b, n_heads, s, d = q.shape
         rows = query_rows(q, k.shape[1])
         discard = self.prefetch_missed(q) if self.correcting and keep else None
-        # RamTier itself: a subclass may read or count in its own way, op by op
-        if type(self.tier) is RamTier and self.probe is None:
+        if self.tier.gathered_in_step and self.probe is None:
             out, kappa = self.step_in_ram(rows, k, v, discard)
         else:
             out, kappa = self.step_in_parts(rows, k, v, keep, discard)
@@ -330,8 +318,9 @@ class SpeCacheLayer(nn.Module):
     def step_in_parts(
         self, rows: Tensor, k: Tensor, v: Tensor, keep: bool, discard: Optional[Tensor]
     ) -> tuple[Tensor, Optional[Kappa]]:
-        """A step op by op, for a slow tier elsewhere (its reads) or a probe (which watches, or
-        picks as the oracle): the output and the prefetch for the tier to place."""
+        """A step op by op (`attend_and_choose`, the one op's composition), for a slow tier
+        elsewhere (it reads the picks' pairs, and places the prefetch) or a probe (which watches,
+        or picks as the oracle): the output and the prefetch for the tier to place."""
         state, sel, s = self.state, self.config.selection, k.shape[2]
         exact = exact_slots(
             self.fetched_valid,
@@ -341,19 +330,37 @@ class SpeCacheLayer(nn.Module):
             self.k_spec,
             discard,
         )
-        seg = self.segments(k, v, exact)
-        part = lowbit_partial_attention(rows, self.lowbit(), seg, self.config.method.arithmetic)
-        if self.picks:
-            part, seg = self.pick_within_step(rows, part, seg, s, discard)
-        merged = merge_segments(rows, part, seg)
-        if self.probe is not None and keep:  # before the prefetch rewrites the slots seg reads
-            self.probe.observe(self, rows, seg, s)
-        if not self.k_spec:
-            return merged.out, None
-        kappa = prefetch_positions(
-            part, merged, seg, sel.gqa, self.n_sinks, state.selectable_len, self.k_spec
+        oracle = None
+        if self.probe is not None and self.probe.oracle:
+
+            def oracle(part: LowBitPart, merged: Merged, seg: Segments) -> tuple[Tensor, Tensor]:
+                return self.probe.oracle_picks(self, rows, part, merged, seg, s)
+
+        step = attend_and_choose(
+            rows,
+            self.lowbit(),
+            self.config.method.arithmetic,
+            self.segments(k, v, exact),
+            self.tier.read,
+            self.picks,
+            sel.shortlist,
+            discard,
+            sel.gqa,
+            self.n_sinks,
+            self.k_spec,
+            state.selectable_len,
+            oracle,
         )
-        return merged.out, self.choose_prefetch(*kappa)
+        if self.picks:
+            self.pairs_read += step.read.sum(-1) * state.stepping
+            picked = (step.seg.fetched_k, step.seg.fetched_v, step.seg.fetched_pos)
+            for buffer, new in zip((self.fetched_k, self.fetched_v, self.fetched_pos), picked):
+                state.write_moved(buffer, new)
+        if self.probe is not None and keep:  # before the prefetch rewrites the slots seg reads
+            self.probe.observe(self, rows, step.seg, s)
+        if not self.k_spec:
+            return step.out, None
+        return step.out, self.choose_prefetch(step.kappa_pos, step.kappa_valid)
 
     def prefetch_missed(self, q: Tensor) -> Tensor:
         """correct: the KV heads (B, Hkv) whose real query moved away from the one that chose the
@@ -363,55 +370,6 @@ class SpeCacheLayer(nn.Module):
         self.heads_discarded += discard.sum(-1) * self.state.stepping
         self.heads_checked += discard.shape[-1] * self.state.stepping
         return discard
-
-    def pick_within_step(
-        self, rows: Tensor, part: LowBitPart, seg: Segments, s: int, discard: Optional[Tensor]
-    ) -> tuple[LowBitPart, Segments]:
-        """split (ours): the real row (row 0) picks the positions its low-bit weights weigh most
-        (or, as the oracle, those a probe chooses with exact scores); their 16-bit pairs are read
-        now, fill the real row's slots (all k slots of a KV head in `discard`), and their low-bit
-        share leaves `part`."""
-        merged = merge_segments(rows, part, seg)
-        sel = self.config.selection
-        first = first_pick_slot(seg.fetched_pos, self.n_sinks, self.k_spec, discard)
-        placed = picks_placed(self.picks, seg.fetched_pos.shape[-1], first)
-        if self.probe is not None and self.probe.oracle:
-            picks, valid = self.probe.oracle_picks(self, rows, part, merged, seg, s)
-        else:  # candidates: quantized, not held in a valid slot
-            picks, valid = top_positions(
-                part,
-                merged,
-                seg,
-                s,
-                0,
-                sel.gqa,
-                0,
-                seg.quantized_len,
-                seg.fetched_pos,
-                seg.fetched_valid,
-                min(self.picks * max(sel.shortlist, 1), self.k_packed.shape[2]),
-            )
-        if sel.shortlist:  # the listed pairs read at once
-            valid = shortlist_listed(valid, sel.shortlist, placed)
-            listed_k, listed_v = self.tier.read(picks, valid)
-            self.pairs_read += valid.sum((1, 2)) * self.state.stepping
-            chosen, valid = rank_shortlist(
-                rows, part, merged, s, sel.gqa, listed_k, valid, self.picks
-            )
-            picks = picks.gather(-1, chosen)
-            pairs = gather_pairs(listed_k, chosen), gather_pairs(listed_v, chosen)
-            valid = valid & placed
-        else:
-            valid = valid & placed
-            pairs = self.tier.read(picks, valid)
-            self.pairs_read += valid.sum((1, 2)) * self.state.stepping
-        part, seg = take_picks(part, self.lowbit(), seg, picks, valid, *pairs, first)
-        for buffer, new in zip(
-            (self.fetched_k, self.fetched_v, self.fetched_pos),
-            (seg.fetched_k, seg.fetched_v, seg.fetched_pos),
-        ):
-            self.state.write_moved(buffer, new)
-        return part, seg
 
     def choose_prefetch(self, kappa_pos: Tensor, kappa_valid: Tensor) -> Kappa:
         """kappa_{t+1}: the last row's top-k_spec positions (B, Hkv, k_spec), among those

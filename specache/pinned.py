@@ -19,6 +19,8 @@ class PinnedTier:
     reuse, the staging buffer still holds the previous prefetch, and only positions it lacks are
     read."""
 
+    gathered_in_step = False
+
     def __init__(self, spec: TierSpec, executor: ThreadPoolExecutor):
         self.spec, self.executor = spec, executor
         self.k = torch.zeros(spec.shape, dtype=spec.dtype, pin_memory=True)

@@ -1,7 +1,10 @@
-"""One op per layer: a decode step's whole attention (`specache::step_attention`), for a slow tier
-in the same RAM as the fast one (a CPU)."""
+"""A layer's attention in a decode step, written once (`attend_and_choose`): the two rows over the
+four segments, the real row's picks within the step, the next prefetch. The layer runs it op by op
+where its slow tier is elsewhere (specache/layer.py); with the slow tier in the same RAM (a CPU) it
+is one op per layer (`specache::step_attention`), whose CPU kernel (specache/kernels/step_cpu.cpp)
+computes it KV head by KV head."""
 
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -9,6 +12,8 @@ from torch import Tensor
 from specache.lowbit import LowBitKV
 from specache.ops import (
     OPS,
+    LowBitPart,
+    Merged,
     Segments,
     lowbit_partial_attention,
     merge_segments,
@@ -25,12 +30,95 @@ from specache.select import (
 )
 from specache.tiers import gather_pairs
 
-# On a CPU both tiers are in RAM, and what a step does between its kernels (the low-bit pass, two
-# merges, two rankings, the picks' gather and drop, the prefetch's gather) is small: dispatching
-# it op by op cost more than computing it (a SmolLM2 step at 1k made about 300 calls). So the
-# whole of a layer's attention in a step is one op, which a CPU kernel computes KV head by KV head
-# (specache/kernels/step_cpu.cpp). Its definition is the composition the layer runs op by op
-# elsewhere.
+
+class StepAttention(NamedTuple):
+    """What a layer's attention in a decode step gives (`attend_and_choose`)."""
+
+    out: Tensor  # (B, Hkv, M, D) fp32
+    seg: Segments  # the slots as the step leaves them: the real row's picks placed
+    placed: Tensor  # (B, Hkv, n_picks): which picks took a slot
+    kappa_pos: Tensor  # (B, Hkv, n_spec): the next prefetch, best first
+    kappa_valid: Tensor
+    read: Tensor  # (B, Hkv): the pairs each KV head read from the slow tier for its picks
+
+
+def attend_and_choose(
+    rows: Tensor,
+    kv: LowBitKV,
+    arithmetic: str,
+    seg: Segments,
+    read_pairs: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
+    n_picks: int,
+    shortlist: int,
+    discard: Optional[Tensor],
+    gqa: str,
+    n_sinks: int,
+    n_spec: int,
+    selectable_len: Tensor,
+    oracle: Optional[Callable[[LowBitPart, Merged, Segments], tuple[Tensor, Tensor]]] = None,
+) -> StepAttention:
+    """A layer's attention in one decode step, written once: the one op's definition below, and
+    the layer's step op by op (specache/layer.py), are this composition. The rows attend over the
+    four segments of `seg` (its slots' validity as `exact_slots` says).
+    - With n_picks, the real row (row 0) first picks that many positions by its low-bit weights
+      (with a shortlist, by the exact weights of the `shortlist` x n_picks it lists:
+      `rank_shortlist`; or as the `oracle` chooses). Their pairs, read with `read_pairs(positions,
+      valid)`, fill its slots (`first_pick_slot`) and leave the low-bit segment.
+    - With n_spec, the last row then chooses the prefetch, among [n_sinks, selectable_len[b]).
+    Every slot from the first pick's on takes a pick: n_picks is 0, or at least the real row's
+    slots (plus the prefetch's where a `discard` is given)."""
+    s = seg.new_k.shape[2]
+    part = lowbit_partial_attention(rows, kv, seg, arithmetic)
+    # fresh, not views: an op's outputs never alias its inputs
+    nothing = seg.fetched_pos.new_empty(seg.fetched_pos.shape[:2] + (0,))
+    placed, read = nothing.bool(), seg.quantized_len.new_zeros(seg.fetched_pos.shape[:2])
+    if n_picks:
+        merged = merge_segments(rows, part, seg)
+        first = first_pick_slot(seg.fetched_pos, n_sinks, n_spec, discard)
+        placed = picks_placed(n_picks, seg.fetched_pos.shape[-1], first)
+        if oracle is not None:
+            picks, valid = oracle(part, merged, seg)
+        else:  # candidates: quantized, not held in a valid slot
+            n_listed = min(n_picks * max(shortlist, 1), kv.k_packed.shape[2])
+            picks, valid = top_positions(
+                part,
+                merged,
+                seg,
+                s,
+                0,
+                gqa,
+                0,
+                seg.quantized_len,
+                seg.fetched_pos,
+                seg.fetched_valid,
+                n_listed,
+            )
+        if shortlist:  # the listed pairs read at once
+            listed = shortlist_listed(valid, shortlist, placed)
+            listed_k, listed_v = read_pairs(picks, listed)
+            read = listed.sum(-1)
+            chosen, valid = rank_shortlist(rows, part, merged, s, gqa, listed_k, listed, n_picks)
+            picks = picks.gather(-1, chosen)
+            pairs = gather_pairs(listed_k, chosen), gather_pairs(listed_v, chosen)
+            placed = valid & placed
+        else:
+            placed = valid & placed
+            pairs = read_pairs(picks, placed)
+            read = placed.sum(-1)
+        part, seg = take_picks(part, kv, seg, picks, placed, *pairs, first)
+    merged = merge_segments(rows, part, seg)
+    kappa_pos, kappa_valid = nothing, nothing.bool()
+    if n_spec:
+        kappa_pos, kappa_valid = prefetch_positions(
+            part, merged, seg, gqa, n_sinks, selectable_len, n_spec
+        )
+    return StepAttention(merged.out, seg, placed, kappa_pos, kappa_valid, read)
+
+
+# Why one op: on a CPU both tiers are in RAM, and what a step does between its kernels (the
+# low-bit pass, two merges, two rankings, the picks' gather and drop, the prefetch's gather) is
+# small: dispatching it op by op cost more than computing it (a SmolLM2 step at 1k made about 300
+# calls).
 
 
 def step_attention_reference(
@@ -64,20 +152,11 @@ def step_attention_reference(
     n_spec: int,
     selectable_len: Tensor,
 ) -> tuple[Tensor, ...]:
-    """A layer's attention in one step, over a slow tier `store_k`, `store_v` (B, Hkv, T, D) in
-    the same memory. The rows attend over the four segments (`Segments`: the slots as
-    `fetched_valid` and `exact_slots` say).
-    - With n_picks, the real row (row 0) first picks that many positions by its low-bit weights
-      (with a shortlist, by the exact weights of the `shortlist` x n_picks it lists:
-      `rank_shortlist`). Their pairs fill its slots (`first_pick_slot`) and leave the low-bit
-      segment.
-    - With n_spec, the last row then chooses the prefetch, among [n_sinks, selectable_len[b]),
-      and its pairs fill the prefetch's slots.
-    Returns the output (B, Hkv, M, D); the slots' new k, v, pos and valid; which picks were placed
-    (B, Hkv, n_picks); the prefetch (B, Hkv, n_spec), positions and which are real; and the pairs
-    each KV head read from the tier for its picks (B, Hkv). Every slot from the first pick's on
-    takes a pick: n_picks is 0, or at least the real row's slots (plus the prefetch's where a
-    `discard` is given)."""
+    """`attend_and_choose` over a slow tier `store_k`, `store_v` (B, Hkv, T, D) in the same
+    memory, whose pairs it gathers itself, the prefetch's too. Returns the output (B, Hkv, M, D);
+    the slots' new k, v, pos and valid (the prefetch's filled); which picks were placed (B, Hkv,
+    n_picks); the prefetch (B, Hkv, n_spec), positions and which are real; and the pairs each KV
+    head read from the tier for its picks (B, Hkv)."""
     real_slots = fetched_pos.shape[-1] - n_sinks - n_spec
     if n_picks and n_picks < real_slots + (n_spec if discard is not None else 0):
         raise ValueError(
@@ -88,45 +167,36 @@ def step_attention_reference(
     exact = exact_slots(fetched_valid, fetched_pos, quantized_len, n_sinks, n_spec, discard)
     window = (window_k, window_v, window_len, new_k, new_v)
     seg = Segments(quantized_len, fetched_k, fetched_v, fetched_pos, exact, *window)
-    s, gqa = new_k.shape[2], "max" if gqa_max else "mean"
-    part = lowbit_partial_attention(rows, kv, seg, "int8" if integer else "float")
-    # fresh, not views: an op's outputs never alias its inputs
-    nothing = fetched_pos.new_empty(fetched_pos.shape[:2] + (0,))
-    placed, read = nothing.bool(), quantized_len.new_zeros(fetched_pos.shape[:2])
-    if n_picks:
-        merged = merge_segments(rows, part, seg)
-        n_listed = min(n_picks * shortlist, k_packed.shape[2]) if shortlist else n_picks
-        picks, valid = top_positions(
-            part, merged, seg, s, 0, gqa, 0, quantized_len, fetched_pos, exact, n_listed
-        )
-        first = first_pick_slot(fetched_pos, n_sinks, n_spec, discard)
-        placed = picks_placed(n_picks, fetched_pos.shape[-1], first)
-        if shortlist:
-            listed = shortlist_listed(valid, shortlist, placed)
-            listed_k = gather_pairs(store_k, picks)
-            chosen, valid = rank_shortlist(rows, part, merged, s, gqa, listed_k, listed, n_picks)
-            picks = picks.gather(-1, chosen)
-        placed = valid & placed
-        read = (listed if shortlist else placed).sum(-1)  # the pairs read from the tier
-        pairs = gather_pairs(store_k, picks), gather_pairs(store_v, picks)
-        part, seg = take_picks(part, kv, seg, picks, placed, *pairs, first)
-    merged = merge_segments(rows, part, seg)
-    kappa_pos, kappa_valid = nothing, nothing.bool()
-    if n_spec:
-        kappa_pos, kappa_valid = prefetch_positions(
-            part, merged, seg, gqa, n_sinks, selectable_len, n_spec
-        )
+
+    def read_pairs(positions: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        return gather_pairs(store_k, positions), gather_pairs(store_v, positions)
+
+    step = attend_and_choose(
+        rows,
+        kv,
+        "int8" if integer else "float",
+        seg,
+        read_pairs,
+        n_picks,
+        shortlist,
+        discard,
+        "max" if gqa_max else "mean",
+        n_sinks,
+        n_spec,
+        selectable_len,
+    )
     prefetch = slice(n_sinks, n_sinks + n_spec)
     out_k, out_v, out_pos, out_valid = (
         x.clone(memory_format=torch.contiguous_format)
         # the other slots' validity stays as it was (exact_slots reads it)
-        for x in (seg.fetched_k, seg.fetched_v, seg.fetched_pos, fetched_valid)
+        for x in (step.seg.fetched_k, step.seg.fetched_v, step.seg.fetched_pos, fetched_valid)
     )
-    out_k[:, :, prefetch] = gather_pairs(store_k, kappa_pos).to(out_k.dtype)
-    out_v[:, :, prefetch] = gather_pairs(store_v, kappa_pos).to(out_v.dtype)
-    out_pos[:, :, prefetch] = kappa_pos
-    out_valid[:, :, prefetch] = kappa_valid
-    return merged.out, out_k, out_v, out_pos, out_valid, placed, kappa_pos, kappa_valid, read
+    out_k[:, :, prefetch] = gather_pairs(store_k, step.kappa_pos).to(out_k.dtype)
+    out_v[:, :, prefetch] = gather_pairs(store_v, step.kappa_pos).to(out_v.dtype)
+    out_pos[:, :, prefetch] = step.kappa_pos
+    out_valid[:, :, prefetch] = step.kappa_valid
+    outputs = (out_k, out_v, out_pos, out_valid, step.placed, step.kappa_pos, step.kappa_valid)
+    return step.out, *outputs, step.read
 
 
 OPS.define(

@@ -63,6 +63,10 @@ class SlowTier(Protocol):
     calls, over a generation: reset; write (the prompt, in one piece or in chunks); read_range (a
     chunk's history); then per pass before_step, read (the real row's picks), after_step."""
 
+    # its pairs sit in the fast tier's memory as `k` and `v` (B, Hkv, T, D), so a step's one op
+    # gathers them itself (specache::step_attention) and calls none of the moves below in between
+    gathered_in_step: bool
+
     def reset(self, rows: Optional[list[int]] = None) -> None:
         """A generation begins (on `rows` only, see "rows"): nothing in flight, nothing held."""
 
@@ -115,6 +119,8 @@ class RamTier:
     layer's step. A prefetch gathers all its pairs, so reuse changes only the count of pairs a
     separate slow tier would send. (A worker thread that gathered in the background made a SmolLM2
     step at 1k slower, 50 vs 39 ms: the hand-off cost more than the 50 KB gather it hid.)"""
+
+    gathered_in_step = True
 
     def __init__(self, spec: TierSpec):
         self.spec = spec

@@ -289,8 +289,10 @@ def test_a_cache_in_ram_is_one_cache_shared_a_row_each(name, monkeypatch):
 
 
 class OpByOpTier(RamTier):
-    """The slow tier in RAM under a type of its own: a layer's step then goes op by op
-    (`SpeCacheLayer.step_in_parts`), as beside a GPU, and the tier places the prefetch."""
+    """The slow tier in RAM, moving its pairs as a separate tier does: a layer's step then goes op
+    by op (`SpeCacheLayer.step_in_parts`), as beside a GPU, and the tier places the prefetch."""
+
+    gathered_in_step = False
 
 
 def op_by_op(cache):
