@@ -1,7 +1,8 @@
 """SpeCache's settings: the paper's (`Method`), how the exact pairs are chosen (`Selection`, with
 the paper's rule as `PAPER`), where the pairs live (`Placement`), and the fast tier's size that
-follows from them (`fast_tier_plan`)."""
+follows from them (`fast_tier_layout`, `fast_tier_plan`)."""
 
+import math
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
@@ -190,9 +191,60 @@ class SpeCacheConfig:
 
 # --- the fast tier's size --------------------------------------------------------------------
 
-# Bytes per exact slot beyond its pair: its position (int64) and flag, and the same for the
-# prefetch's chosen position (kappa)
-SLOT_BOOKKEEPING_BYTES = 2 * (8 + 1)
+
+def fast_tier_layout(
+    config: SpeCacheConfig,
+    capacity: int,
+    residual: int,
+    slots: int,
+    prefetch_slots: int,
+    head_dim: int,
+    query_heads_per_kv: int,
+    pair_dtype: torch.dtype,
+    correcting: bool,
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every fast-tier buffer of a layer, per sequence and KV head: its shape and dtype, for a
+    cache of `capacity` positions whose newest `residual` stay 16-bit, with `slots` exact slots of
+    which `prefetch_slots` the prefetch's. The one place the fast tier's size is written: the
+    layer allocates it (times the batch and the KV heads), `fast_tier_plan` sizes the slots by it,
+    and the stats and the equal-budget baselines count it. Buffers hold what the capacity can need:
+    the low-bit copy the positions that can ever be quantized (all but the newest R), the window at
+    most the capacity (R and up to g more waiting for a group), the slots at most the positions the
+    copy can hold."""
+    m = config.method
+    quantizable = max(0, capacity - residual) // m.group * m.group
+    code_bytes = head_dim * m.bits // 8
+    scale = sixteen_bit_dtype(pair_dtype)
+    value_groups = head_dim // value_group(m.group, head_dim)
+    window = min(residual + m.group, capacity)
+    layout = {
+        # the low-bit copy...
+        "k_packed": ((quantizable, code_bytes), torch.uint8),
+        "k_scale": ((quantizable // m.group, head_dim), scale),
+        "k_zero": ((quantizable // m.group, head_dim), scale),
+        "v_packed": ((quantizable, code_bytes), torch.uint8),
+        "v_scale": ((quantizable, value_groups), scale),
+        "v_zero": ((quantizable, value_groups), scale),
+        # ... the 16-bit window: the newest R tokens and up to g more waiting for a group ...
+        "window_k": ((window, head_dim), pair_dtype),
+        "window_v": ((window, head_dim), pair_dtype),
+        # ... and the exact pairs in slots: sinks, kappa_t's prefetch, the real row's picks; with
+        # kappa_{t+1}, the positions the next prefetch fetches
+        "fetched_k": ((slots, head_dim), pair_dtype),
+        "fetched_v": ((slots, head_dim), pair_dtype),
+        "fetched_pos": ((slots,), torch.long),
+        "fetched_valid": ((slots,), torch.bool),
+        "kappa_pos": ((prefetch_slots,), torch.long),
+        "kappa_valid": ((prefetch_slots,), torch.bool),
+    }
+    if correcting:  # the last row's queries, which chose the prefetch the next step reads
+        layout["last_query"] = ((query_heads_per_kv, head_dim), torch.float32)
+    return layout
+
+
+def layout_bytes(layout: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """The bytes of a `fast_tier_layout`."""
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout.values())
 
 
 def fast_tier_plan(
@@ -203,21 +255,24 @@ def fast_tier_plan(
     query_heads_per_kv: int,
 ) -> tuple[int, int]:
     """(R, the most exact slots) such that a layer's fast tier never holds more than a cache of
-    `capacity` pairs in `pair_dtype` (the 16-bit cache it replaces). Per KV head and sequence: the
-    low-bit copy of the positions that can be quantized, the window, then per slot its pair and
-    bookkeeping; a layer that corrects keeps its query heads' last queries too. When the copy and
-    the window alone would exceed the cache (a capacity below about R + g + the copy's share),
-    nothing is quantized: R becomes the capacity and every pair stays 16-bit in the window."""
+    `capacity` pairs in `pair_dtype` (the 16-bit cache it replaces), per KV head and sequence:
+    what the fast tier holds without slots, then as many slots as fit, each counted with a
+    prefetch position of its own (a bound: the prefetch takes some of the slots) and a layer that
+    corrects keeping its query heads' last queries. When the copy and the window alone would
+    exceed the cache (a capacity below about R + g + the copy's share), nothing is quantized: R
+    becomes the capacity and every pair stays 16-bit in the window."""
     m = config.method
-    pair = 2 * head_dim * pair_dtype.itemsize
-    scale = sixteen_bit_dtype(pair_dtype).itemsize
-    quantizable = max(0, capacity - m.residual) // m.group * m.group
-    value_groups = head_dim // value_group(m.group, head_dim)
-    per_position = 2 * head_dim * m.bits // 8 + 2 * value_groups * scale
-    lowbit = quantizable * per_position + quantizable // m.group * 2 * head_dim * scale
-    room = (capacity - min(m.residual + m.group, capacity)) * pair - lowbit
-    if config.selection.correct_below is not None:
-        room -= query_heads_per_kv * head_dim * 4
+    correcting = config.selection.correct_below is not None
+
+    def size(slots: int) -> int:
+        return layout_bytes(
+            fast_tier_layout(
+                config, capacity, m.residual, slots, slots, head_dim, query_heads_per_kv,
+                pair_dtype, correcting,
+            )
+        )  # fmt: skip
+
+    room = capacity * 2 * head_dim * pair_dtype.itemsize - size(0)
     if room < 0:
         return capacity, 0
-    return m.residual, room // (pair + SLOT_BOOKKEEPING_BYTES)
+    return m.residual, room // (size(1) - size(0))

@@ -8,7 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from specache.lowbit import LowBitKV, quantize_keys, quantize_values, sixteen_bit_dtype, value_group
+from specache.config import fast_tier_layout
+from specache.lowbit import LowBitKV, quantize_keys, quantize_values
 from specache.ops import (
     LowBitPart,
     Merged,
@@ -62,9 +63,7 @@ class SpeCacheLayer(nn.Module):
 
     The exact pairs a step reads besides the window sit in one buffer of slots per KV head:
     [sinks | the speculative prefetch (k_spec) | the real row's picks (k_real)], k_spec + k_real =
-    k. Buffers hold what the capacity can need: the low-bit copy the positions that can ever be
-    quantized (all but the newest R), the window at most the capacity, the slots at most the
-    positions the copy can hold.
+    k. The buffers are `fast_tier_layout`'s.
     """
 
     def __init__(
@@ -84,9 +83,6 @@ class SpeCacheLayer(nn.Module):
         c, b, t = state.config, state.quantized_len.shape[0], state.capacity
         m, sel = c.method, c.selection
         self.state, self.config, self.index, self.probe = state, c, index, probe
-        scale_dtype = sixteen_bit_dtype(dtype)
-        code_bytes = head_dim * m.bits // 8
-        n_value_groups = head_dim // value_group(m.group, head_dim)
         quantizable = max(0, t - state.residual) // m.group * m.group
         self.n_sinks = min(sel.sinks, quantizable, state.max_slots)
         k = min(m.topk, quantizable, state.max_slots - self.n_sinks)
@@ -96,35 +92,20 @@ class SpeCacheLayer(nn.Module):
         self.picks = k if self.correcting else self.k_real  # a head that discards its prefetch
         slots = self.n_sinks + k
         self.spec_slots = slice(self.n_sinks, self.n_sinks + self.k_spec)
-
-        def fast(name, *shape, dtype=dtype):
-            buffer = torch.zeros(shape, dtype=dtype, device=device)
+        query_heads = n_heads // n_kv_heads
+        layout = fast_tier_layout(
+            c, t, state.residual, slots, self.k_spec, head_dim, query_heads, dtype, self.correcting
+        )
+        for name, (shape, buffer_dtype) in layout.items():
+            buffer = torch.zeros(b, n_kv_heads, *shape, dtype=buffer_dtype, device=device)
+            if name == "last_query":  # kept per query head: (B, H, D)
+                buffer = buffer.flatten(1, 2)
             self.register_buffer(name, buffer, persistent=False)
-
-        # Fast tier: the low-bit copy...
-        fast("k_packed", b, n_kv_heads, quantizable, code_bytes, dtype=torch.uint8)
-        fast("k_scale", b, n_kv_heads, quantizable // m.group, head_dim, dtype=scale_dtype)
-        fast("k_zero", b, n_kv_heads, quantizable // m.group, head_dim, dtype=scale_dtype)
-        fast("v_packed", b, n_kv_heads, quantizable, code_bytes, dtype=torch.uint8)
-        fast("v_scale", b, n_kv_heads, quantizable, n_value_groups, dtype=scale_dtype)
-        fast("v_zero", b, n_kv_heads, quantizable, n_value_groups, dtype=scale_dtype)
-        # ... the 16-bit window: the newest R tokens and up to g more waiting for a group ...
-        fast("window_k", b, n_kv_heads, min(state.residual + m.group, t), head_dim)
-        fast("window_v", b, n_kv_heads, min(state.residual + m.group, t), head_dim)
-        # ... and the exact pairs in slots: sinks, kappa_t's prefetch, the real row's picks.
-        fast("fetched_k", b, n_kv_heads, slots, head_dim)
-        fast("fetched_v", b, n_kv_heads, slots, head_dim)
-        fast("fetched_pos", b, n_kv_heads, slots, dtype=torch.long)
-        fast("fetched_valid", b, n_kv_heads, slots, dtype=torch.bool)
-        fast("kappa_pos", b, n_kv_heads, self.k_spec, dtype=torch.long)  # kappa_{t+1}
-        fast("kappa_valid", b, n_kv_heads, self.k_spec, dtype=torch.bool)
-        if self.correcting:  # the last row's queries, which chose the prefetch the next step reads
-            fast("last_query", b, n_heads, head_dim, dtype=torch.float32)
         # per sequence, this generation: pairs read from the slow tier; correct: the KV heads whose
         # prefetch was discarded, of those checked
-        fast("pairs_read", b, dtype=torch.long)
-        fast("heads_discarded", b, dtype=torch.long)
-        fast("heads_checked", b, dtype=torch.long)
+        for name in ("pairs_read", "heads_discarded", "heads_checked"):
+            counter = torch.zeros(b, dtype=torch.long, device=device)
+            self.register_buffer(name, counter, persistent=False)
         self.fetched_pos[:, :, : self.n_sinks] = torch.arange(self.n_sinks, device=device)
         self.fetched_valid[:, :, : self.n_sinks] = True  # counted while quantized (below Lq)
         prefetch = None

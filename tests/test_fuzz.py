@@ -47,7 +47,7 @@ def test_fetching_every_position_reproduces_the_full_cache(case):
         model, FullCache(model, len(prompts), context), prompts, new_tokens, temperature=0
     )
     # twice the context and more: room for a slot at every position (see
-    # specache_stats.fast_tier_plan)
+    # specache/config.py: fast_tier_plan)
     capacity = 2 * context + 128
     config = specache_config(topk=capacity, pair_dtype=torch.float32, **cache)
     specache = PluggedSpeCache(model, len(prompts), capacity, config)

@@ -86,7 +86,7 @@ def test_specache_fetching_every_position_reproduces_the_full_cache(gemma3_model
     for bits in (1, 2):
         config = specache_config(bits=bits, topk=1024, pair_dtype=torch.float32)
         # twice the context: room for a slot at every position it quantizes
-        # (specache_stats.fast_tier_plan)
+        # (specache/config.py: fast_tier_plan)
         cache = PluggedSpeCache(model, 1, 2 * (PROMPT_TOKENS + new_tokens), config)
         result = generate(model, cache, [prompt], new_tokens, temperature=0)
         assert result.tokens == full.tokens, bits

@@ -154,7 +154,7 @@ def test_files_round_trip_and_decode_with_specache_as_with_the_full_cache(
     ]
     full = generate(model, FullCache(model, 2, 75 + 20), prompts, 20, temperature=0)
     config = specache_config(topk=256, pair_dtype=torch.float32, group=16, residual=16)
-    # a roomy capacity: a slot for every position it quantizes (specache_stats.fast_tier_plan)
+    # a roomy capacity: a slot for every position it quantizes (specache/config.py: fast_tier_plan)
     assert (
         generate(model, PluggedSpeCache(model, 2, 256, config), prompts, 20, temperature=0).tokens
         == full.tokens

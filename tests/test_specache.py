@@ -36,8 +36,8 @@ HYBRID = dict(
 
 
 # A capacity with room for slots at every position these prompts ever quantize: the fast tier
-# never exceeds a 16-bit cache of its capacity (specache_stats.fast_tier_plan), and fetching every
-# position takes more slots than a capacity just above the context leaves.
+# never exceeds a 16-bit cache of its capacity (specache/config.py: fast_tier_plan), and fetching
+# every position takes more slots than a capacity just above the context leaves.
 ROOMY = 256
 
 

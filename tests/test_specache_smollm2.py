@@ -51,7 +51,7 @@ def runs(smollm2_model, smollm2_checkpoint):
 
     for name, (method, options) in METHODS.items():
         # fetching everything takes a roomy capacity: a slot for every position
-        # (specache_stats.fast_tier_plan)
+        # (specache/config.py: fast_tier_plan)
         capacity = (2 if name == "fetch-everything" else 1) * (len(prompt) + NEW_TOKENS)
         cache = make_cache(method, model, 1, capacity, **options)
         if name == "specache-1bit":
