@@ -41,7 +41,7 @@ def build_extension(
     lib = Path(torch.__file__).parent / "lib"
     flags = (
         "-O2",
-        "-std=c++17",
+        "-std=c++20",  # as torch builds its own extensions: its headers need C++20 from 2.14 on
         "-shared",
         "-fPIC",
         "-fopenmp",  # at::parallel_for is inline: without it, one thread runs it all
