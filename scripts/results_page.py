@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 from results_fidelity import DEFAULT, DEFAULT_SUMMARY, OTHER_RANKINGS, OTHER_RANKINGS_SUMMARY
-from results_sections import BRIEF, PARTS, SELECTION, SELECTION_SUMMARY
+from results_brief import BRIEF
+from results_sections import PARTS, SELECTION, SELECTION_SUMMARY
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
