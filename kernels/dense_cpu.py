@@ -21,8 +21,6 @@ forces that. Results do not depend on the thread count. Inference only: no autog
 """
 
 import ctypes
-import subprocess
-import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -101,13 +99,14 @@ def load(path: Path) -> ctypes.CDLL:
 
 @lru_cache(maxsize=None)
 def _library() -> Optional[ctypes.CDLL]:
-    try:
-        lib = load(build())
-    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
-        warnings.warn(
-            "the CPU dense decode-attention kernel is unavailable, SDPA and FlexAttention "
-            f"serve ({error})"
-        )
+    lib = cpu_build.build_and_load(
+        SOURCE,
+        "dense_decode_attention",
+        _Problem,
+        "the CPU dense decode-attention kernel is unavailable, SDPA and FlexAttention serve",
+        include=(host_ops.SHARED_HEADERS,),
+    )
+    if lib is None:
         return None
     # C++ dispatch where it builds
     host_ops.hand_over("dense_decode_attention", lib.dense_decode_attention)

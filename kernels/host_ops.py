@@ -8,9 +8,6 @@ warning); SPECACHE_NO_CPU_OPS=1 keeps them.
 """
 
 import ctypes
-import os
-import subprocess
-import warnings
 from functools import lru_cache
 from pathlib import Path
 
@@ -24,18 +21,17 @@ SOURCE = Path(__file__).with_name("host_ops.cpp")
 SHARED_HEADERS = cpu_ops.SOURCE.parent
 
 
+def build() -> Path:
+    """host_ops.cpp, built on the package's dispatch header."""
+    return cpu_ops.build_extension(SOURCE, include=(SHARED_HEADERS,))
+
+
 @lru_cache(maxsize=None)
 def loaded() -> bool:
-    if os.environ.get("SPECACHE_NO_CPU_OPS") == "1":
-        return False
-    try:
-        torch.ops.load_library(str(cpu_ops.build_extension(SOURCE, include=(SHARED_HEADERS,))))
-        return True
-    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
-        warnings.warn(
-            f"the C++ dispatch of the host's CPU kernels is unavailable, Python serves ({error})"
-        )
-        return False
+    """Whether this dispatch is built and loaded (once per process)."""
+    return cpu_ops.load_extension(
+        build, "the C++ dispatch of the host's CPU kernels is unavailable"
+    )
 
 
 def hand_over(op: str, function: ctypes._CFuncPtr) -> bool:

@@ -21,8 +21,6 @@ forces that. Results do not depend on the thread count. Inference only: no autog
 """
 
 import ctypes
-import subprocess
-import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -105,12 +103,14 @@ def load(path: Path) -> ctypes.CDLL:
 
 @lru_cache(maxsize=None)
 def _library() -> Optional[ctypes.CDLL]:
-    try:
-        lib = load(build())
-    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
-        warnings.warn(
-            f"the CPU quantized-Linear kernel is unavailable, torch's paths serve ({error})"
-        )
+    lib = cpu_build.build_and_load(
+        SOURCE,
+        "quantized_linear",
+        _Problem,
+        "the CPU quantized-Linear kernel is unavailable, torch's paths serve",
+        include=(host_ops.SHARED_HEADERS,),
+    )
+    if lib is None:
         return None
     host_ops.hand_over("quantized_linear", lib.quantized_linear)  # C++ dispatch where it builds
     return lib

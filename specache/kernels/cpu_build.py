@@ -96,12 +96,16 @@ def load(path: Path, function: str, problem: type[ctypes.Structure]) -> ctypes.C
 
 
 def build_and_load(
-    source: Path, function: str, problem: type[ctypes.Structure], unavailable: str
+    source: Path,
+    function: str,
+    problem: type[ctypes.Structure],
+    unavailable: str,
+    include: tuple[Path, ...] = (),
 ) -> Optional[ctypes.CDLL]:
-    """The native build of `source`, loaded; None where it cannot be built, with one warning that
-    says `unavailable` (what stands in for the kernel)."""
+    """The native build of `source` (`include`: as `build` takes it), loaded; None where it cannot
+    be built, with one warning that says `unavailable` (what stands in for the kernel)."""
     try:
-        return load(build(source), function, problem)
+        return load(build(source, include=include), function, problem)
     except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
         warnings.warn(f"specache: {unavailable} ({error})")
         return None

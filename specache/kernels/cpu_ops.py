@@ -59,18 +59,23 @@ def build() -> Path:
     return build_extension(SOURCE, also=(STEP_SOURCE,))
 
 
-@lru_cache(maxsize=None)
-def loaded() -> bool:
+def load_extension(build: Callable[[], Path], unavailable: str) -> bool:
+    """Load the C++ library `build` makes into torch; False where it cannot be built, with one
+    warning that says `unavailable`, or with SPECACHE_NO_CPU_OPS=1."""
     if os.environ.get("SPECACHE_NO_CPU_OPS") == "1":
         return False
     try:
         torch.ops.load_library(str(build()))
         return True
     except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
-        warnings.warn(
-            f"specache: the C++ dispatch of the CPU kernels is unavailable, Python serves ({error})"
-        )
+        warnings.warn(f"{unavailable}, Python serves ({error})")
         return False
+
+
+@lru_cache(maxsize=None)
+def loaded() -> bool:
+    """Whether this dispatch is built and loaded (once per process)."""
+    return load_extension(build, "specache: the C++ dispatch of the CPU kernels is unavailable")
 
 
 _PLAIN = torch.library.Library("specache_plain", "FRAGMENT")
