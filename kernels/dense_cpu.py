@@ -34,7 +34,7 @@ from specache.kernels import cpu_build
 
 SOURCE = Path(__file__).with_name("dense_cpu.c")
 MAX_HEAD_DIM, MAX_ROWS = 256, 64  # the C file's MAX_D and MAX_ROWS (query rows per KV head)
-DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPES = cpu_build.DTYPES
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> None:

@@ -18,6 +18,10 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
+import torch
+
+# the element types of elements.h (FLOAT32, BFLOAT16, FLOAT16), as the dense kernels take them
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 # what machines without AVX-512 build
 PORTABLE_FLAGS = (

@@ -17,7 +17,7 @@ from specache.ops import merge_segments_reference
 
 SOURCE = Path(__file__).with_name("merge_cpu.c")
 MAX_HEAD_DIM, MAX_ROWS = 256, 64  # the C file's MAX_D and MAX_ROWS (query rows per KV head)
-DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPES = cpu_build.DTYPES
 
 
 class _MergeProblem(ctypes.Structure):
