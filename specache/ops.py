@@ -2,7 +2,10 @@
 functions: the specification that every faster kernel is held to): the low-bit pass, the merge of
 the four segments into one softmax, and the ranking of positions."""
 
-from typing import NamedTuple
+import inspect
+import typing
+from types import SimpleNamespace
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +64,13 @@ class Merged(NamedTuple):
     p_new: Tensor  # (B, Hkv, M, S)
 
 
+class Top(NamedTuple):
+    """The positions chosen (`top_positions`)."""
+
+    positions: Tensor  # (B, Hkv, k) int64, best first
+    valid: Tensor  # (B, Hkv, k) bool: which are real (a short history has fewer than k)
+
+
 def positions_mask(positions: Tensor, valid: Tensor, t: int) -> Tensor:
     """(B, Hkv, T) bool: which of the positions [0, T) some valid entry of `positions` (B, Hkv, K)
     holds. Counted, not scattered as booleans: an invalid entry may repeat a valid one's
@@ -83,7 +93,7 @@ def lowbit_partial_attention_reference(
     visible_len: Tensor,
     excluded_pos: Tensor,
     excluded_valid: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> LowBitPart:
     """The low-bit segment: the softmax pieces of rows (B, Hkv, M, D, fp32, already scaled by
     D**-0.5) over the copy's positions [0, visible_len[b]) but the valid excluded ones (B, Hkv, E):
 
@@ -98,7 +108,7 @@ def lowbit_partial_attention_reference(
     values = dequantize_values(v_packed, v_scale, v_zero, bits, group)
     scores = rows @ keys[:, :, :t].transpose(-1, -2)
     weights, row_max = lowbit_softmax(scores, visible_len, excluded_pos, excluded_valid)
-    return weights, row_max, weights.sum(-1), weights @ values
+    return LowBitPart(weights, row_max, weights.sum(-1), weights @ values)
 
 
 def lowbit_softmax(
@@ -126,13 +136,13 @@ def lowbit_partial_attention_int8_reference(
     visible_len: Tensor,
     excluded_pos: Tensor,
     excluded_valid: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> LowBitPart:
     """`lowbit_partial_attention_reference` with both products in integers (`int8_scores`,
     `int8_value_mix`); the softmax between them is the same."""
     scores = int8_scores(rows, k_packed, k_scale, k_zero, bits, group)
     weights, row_max = lowbit_softmax(scores, visible_len, excluded_pos, excluded_valid)
     out = int8_value_mix(weights, v_packed, v_scale, v_zero, bits)
-    return weights, row_max, weights.sum(-1), out
+    return LowBitPart(weights, row_max, weights.sum(-1), out)
 
 
 def merge_segments_reference(
@@ -148,7 +158,7 @@ def merge_segments_reference(
     window_len: Tensor,
     new_k: Tensor,
     new_v: Tensor,
-) -> tuple[Tensor, ...]:
+) -> Merged:
     """The rows over the three 16-bit segments (the valid slots, the first window_len[b] of the
     window, the new pairs causally: row m sees 0 .. m % S), in one softmax with the low-bit pass
     given as its row_max, row_sum and unnormalized output, by the log-sum-exp rule. Returns the
@@ -171,7 +181,7 @@ def merge_segments_reference(
     total = row_sum.unsqueeze(-1) * lowbit_scale + sum(w.sum(-1, keepdim=True) for w in weights)
     probs = [w / total for w in weights]
     exact = sum(p @ v.float() for p, (_, v) in zip(probs, segments))
-    return lowbit_out * (lowbit_scale / total) + exact, lowbit_scale / total, *probs
+    return Merged(lowbit_out * (lowbit_scale / total) + exact, lowbit_scale / total, *probs)
 
 
 def position_weights(
@@ -220,7 +230,7 @@ def top_positions_reference(
     excluded_pos: Tensor,
     excluded_valid: Tensor,
     k: int,
-) -> tuple[Tensor, Tensor]:
+) -> Top:
     """The choice of positions: each KV head ranks the history by `position_weights`, their max
     over its query heads (gqa_max) or their mean, and returns its k best candidates (B, Hkv, k),
     best first, and which of them are real (a short history has fewer than k). Candidates: lower
@@ -237,79 +247,73 @@ def top_positions_reference(
         & ~positions_mask(excluded_pos, excluded_valid, t)
     )
     top = ranking.masked_fill(~candidates, -1.0).topk(k, dim=-1)
-    return top.indices, top.values >= 0
+    return Top(top.indices, top.values >= 0)
 
 
+# --- each op declared once --------------------------------------------------------------------
+# An op's signature is its reference's: `declare` derives the schema from the reference's
+# annotations (the outputs from the NamedTuple it returns), makes the reference the op's
+# definition, and registers the fake (shapes only, for torch.compile), which reads the arguments
+# by name, as the kernels' wrappers do (`arguments`). The C++ implementations restate it in C++
+# types; torch checks those against the schema when it registers them.
 OPS = torch.library.Library("specache", "FRAGMENT")
-# the low-bit pass's signature, in float or in integers (specache/integer.py)
-LOWBIT_PASS_SCHEMA = (
-    "(Tensor rows, Tensor k_packed, Tensor k_scale, "
-    "Tensor k_zero, Tensor v_packed, Tensor v_scale, Tensor v_zero, int bits, int group, "
-    "Tensor visible_len, Tensor excluded_pos, Tensor excluded_valid) "
-    "-> (Tensor, Tensor, Tensor, Tensor)"
-)
-for _name in ("lowbit_partial_attention", "lowbit_partial_attention_int8"):
-    OPS.define(_name + LOWBIT_PASS_SCHEMA)
-OPS.define(
-    "merge_segments(Tensor rows, Tensor row_max, Tensor row_sum, Tensor lowbit_out, "
-    "Tensor fetched_k, Tensor fetched_v, Tensor fetched_valid, Tensor window_k, "
-    "Tensor window_v, Tensor window_len, Tensor new_k, Tensor new_v) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
-)
-OPS.define(
-    "top_positions(Tensor weights, Tensor scale, Tensor p_fetched, Tensor fetched_pos, "
-    "Tensor p_window, Tensor window_start, int s, int row, bool gqa_max, int lower, "
-    "Tensor upper, Tensor excluded_pos, Tensor excluded_valid, int k) -> (Tensor, Tensor)"
-)
-for _name, _reference in (
-    ("lowbit_partial_attention", lowbit_partial_attention_reference),
-    ("lowbit_partial_attention_int8", lowbit_partial_attention_int8_reference),
-    ("merge_segments", merge_segments_reference),
-    ("top_positions", top_positions_reference),
-):
-    OPS.impl(_name, _reference, "CompositeExplicitAutograd")
+SCHEMA_TYPES = {
+    Tensor: "Tensor",
+    Optional[Tensor]: "Tensor?",
+    int: "int",
+    bool: "bool",
+    float: "float",
+}
 
 
-@torch.library.register_fake("specache::lowbit_partial_attention")
-@torch.library.register_fake("specache::lowbit_partial_attention_int8")
-def _(rows, k_packed, *args):
-    b, h, m, d = rows.shape
-    t = k_packed.shape[2]
-    return (
-        rows.new_empty(b, h, m, t),
-        rows.new_empty(b, h, m),
-        rows.new_empty(b, h, m),
-        rows.new_empty(b, h, m, d),
+def arguments(reference: Callable, args: tuple, kwargs: Optional[dict] = None) -> SimpleNamespace:
+    """An op's arguments `args` (its schema's order), named as its reference names them."""
+    names = inspect.signature(reference).parameters
+    return SimpleNamespace(**dict(zip(names, args)), **(kwargs or {}))
+
+
+def declare(reference: Callable, fake: Callable[[SimpleNamespace], tuple]) -> None:
+    """Define the op specache::NAME of `reference` (NAME_reference), computed by it, with `fake`
+    giving its outputs' shapes from its named `arguments`."""
+    name = reference.__name__.removesuffix("_reference")
+    hints = typing.get_type_hints(reference)
+    parameters = inspect.signature(reference).parameters
+    inputs = ", ".join(f"{SCHEMA_TYPES[hints[arg]]} {arg}" for arg in parameters)
+    outputs = ", ".join("Tensor" for _ in hints["return"]._fields)
+    OPS.define(f"{name}({inputs}) -> ({outputs})")
+    OPS.impl(name, reference, "CompositeExplicitAutograd")
+
+    def shapes(*args, **kwargs) -> tuple:
+        return fake(arguments(reference, args, kwargs))
+
+    torch.library.register_fake(f"specache::{name}", shapes)
+
+
+def lowbit_part_shapes(a: SimpleNamespace) -> LowBitPart:
+    b, h, m, d = a.rows.shape
+    t = a.k_packed.shape[2]
+    new = a.rows.new_empty
+    return LowBitPart(new(b, h, m, t), new(b, h, m), new(b, h, m), new(b, h, m, d))
+
+
+def merged_shapes(a: SimpleNamespace) -> Merged:
+    b, h, m, _ = a.rows.shape
+    probs = (a.rows.new_empty(b, h, m, x.shape[2]) for x in (a.fetched_k, a.window_k, a.new_k))
+    return Merged(torch.empty_like(a.rows), a.rows.new_empty(b, h, m, 1), *probs)
+
+
+def top_shapes(a: SimpleNamespace) -> Top:
+    b, h = a.weights.shape[:2]
+    return Top(
+        a.weights.new_empty(b, h, a.k, dtype=torch.int64),
+        a.weights.new_empty(b, h, a.k, dtype=torch.bool),
     )
 
 
-@torch.library.register_fake("specache::merge_segments")
-def _(
-    rows,
-    row_max,
-    row_sum,
-    lowbit_out,
-    fetched_k,
-    fetched_v,
-    fetched_valid,
-    window_k,
-    window_v,
-    window_len,
-    new_k,
-    new_v,
-):
-    b, h, m, _ = rows.shape
-    probs = (rows.new_empty(b, h, m, x.shape[2]) for x in (fetched_k, window_k, new_k))
-    return torch.empty_like(rows), rows.new_empty(b, h, m, 1), *probs
-
-
-@torch.library.register_fake("specache::top_positions")
-def _(weights, *args):
-    b, h, k = weights.shape[0], weights.shape[1], args[-1]
-    return (
-        weights.new_empty(b, h, k, dtype=torch.int64),
-        weights.new_empty(b, h, k, dtype=torch.bool),
-    )
+declare(lowbit_partial_attention_reference, lowbit_part_shapes)
+declare(lowbit_partial_attention_int8_reference, lowbit_part_shapes)
+declare(merge_segments_reference, merged_shapes)
+declare(top_positions_reference, top_shapes)
 
 
 def query_rows(q: Tensor, n_kv_heads: int) -> Tensor:
@@ -376,22 +380,24 @@ def top_positions(
     excluded_pos: Tensor,
     excluded_valid: Tensor,
     k: int,
-) -> tuple[Tensor, Tensor]:
+) -> Top:
     """The k positions new row `row` weighs most, per KV head, among lower <= t < upper[b] but the
     valid excluded ones (`specache::top_positions`)."""
-    return torch.ops.specache.top_positions(
-        part.weights,
-        merged.lowbit_scale,
-        merged.p_fetched,
-        seg.fetched_pos,
-        merged.p_window,
-        seg.quantized_len,
-        s,
-        row,
-        gqa == "max",
-        lower,
-        upper,
-        excluded_pos,
-        excluded_valid,
-        k,
+    return Top(
+        *torch.ops.specache.top_positions(
+            part.weights,
+            merged.lowbit_scale,
+            merged.p_fetched,
+            seg.fetched_pos,
+            merged.p_window,
+            seg.quantized_len,
+            s,
+            row,
+            gqa == "max",
+            lower,
+            upper,
+            excluded_pos,
+            excluded_valid,
+            k,
+        )
     )

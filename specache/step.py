@@ -4,6 +4,7 @@ where its slow tier is elsewhere (specache/layer.py); with the slow tier in the 
 is one op per layer (`specache::step_attention`), whose CPU kernel (specache/kernels/step_cpu.cpp)
 computes it KV head by KV head."""
 
+from types import SimpleNamespace
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -11,10 +12,10 @@ from torch import Tensor
 
 from specache.lowbit import LowBitKV
 from specache.ops import (
-    OPS,
     LowBitPart,
     Merged,
     Segments,
+    declare,
     lowbit_partial_attention,
     merge_segments,
     top_positions,
@@ -121,6 +122,20 @@ def attend_and_choose(
 # calls).
 
 
+class StepOutputs(NamedTuple):
+    """What the one op gives (`step_attention_reference`)."""
+
+    out: Tensor  # (B, Hkv, M, D) fp32
+    fetched_k: Tensor  # the slots' new contents, the prefetch's filled
+    fetched_v: Tensor
+    fetched_pos: Tensor
+    fetched_valid: Tensor
+    placed: Tensor  # (B, Hkv, n_picks): which picks took a slot
+    kappa_pos: Tensor  # (B, Hkv, n_spec): the prefetch, best first
+    kappa_valid: Tensor  # which of them are real
+    read: Tensor  # (B, Hkv): the pairs each KV head read from the tier for its picks
+
+
 def step_attention_reference(
     rows: Tensor,
     k_packed: Tensor,
@@ -151,12 +166,9 @@ def step_attention_reference(
     n_sinks: int,
     n_spec: int,
     selectable_len: Tensor,
-) -> tuple[Tensor, ...]:
+) -> StepOutputs:
     """`attend_and_choose` over a slow tier `store_k`, `store_v` (B, Hkv, T, D) in the same
-    memory, whose pairs it gathers itself, the prefetch's too. Returns the output (B, Hkv, M, D);
-    the slots' new k, v, pos and valid (the prefetch's filled); which picks were placed (B, Hkv,
-    n_picks); the prefetch (B, Hkv, n_spec), positions and which are real; and the pairs each KV
-    head read from the tier for its picks (B, Hkv)."""
+    memory, whose pairs it gathers itself, the prefetch's too."""
     real_slots = fetched_pos.shape[-1] - n_sinks - n_spec
     if n_picks and n_picks < real_slots + (n_spec if discard is not None else 0):
         raise ValueError(
@@ -195,36 +207,24 @@ def step_attention_reference(
     out_v[:, :, prefetch] = gather_pairs(store_v, step.kappa_pos).to(out_v.dtype)
     out_pos[:, :, prefetch] = step.kappa_pos
     out_valid[:, :, prefetch] = step.kappa_valid
-    outputs = (out_k, out_v, out_pos, out_valid, step.placed, step.kappa_pos, step.kappa_valid)
-    return step.out, *outputs, step.read
+    placed, kappa = step.placed, (step.kappa_pos, step.kappa_valid)
+    return StepOutputs(step.out, out_k, out_v, out_pos, out_valid, placed, *kappa, step.read)
 
 
-OPS.define(
-    "step_attention(Tensor rows, Tensor k_packed, Tensor k_scale, Tensor k_zero, "
-    "Tensor v_packed, Tensor v_scale, Tensor v_zero, int bits, int group, bool integer, "
-    "Tensor quantized_len, Tensor fetched_k, Tensor fetched_v, Tensor fetched_pos, "
-    "Tensor fetched_valid, Tensor window_k, Tensor window_v, Tensor window_len, Tensor new_k, "
-    "Tensor new_v, Tensor store_k, Tensor store_v, int n_picks, int shortlist, Tensor? discard, "
-    "bool gqa_max, int n_sinks, int n_spec, Tensor selectable_len) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
-)
-OPS.impl("step_attention", step_attention_reference, "CompositeExplicitAutograd")
-step_attention = torch.ops.specache.step_attention  # what the layer calls
-
-
-@torch.library.register_fake("specache::step_attention")
-def _(rows, *args):
-    fetched_k, fetched_v, fetched_pos, fetched_valid = args[10:14]
-    n_picks, n_spec = args[21], args[26]
-    b, h = fetched_pos.shape[:2]
-    return (  # contiguous, as the kernel's outputs are, whatever the inputs' strides
-        rows.new_empty(rows.shape),
-        fetched_k.new_empty(fetched_k.shape),
-        fetched_v.new_empty(fetched_v.shape),
-        fetched_pos.new_empty(fetched_pos.shape),
-        fetched_valid.new_empty(fetched_valid.shape),
-        fetched_valid.new_empty(b, h, n_picks),
-        fetched_pos.new_empty(b, h, n_spec),
-        fetched_valid.new_empty(b, h, n_spec),
-        fetched_pos.new_empty(b, h),
+def step_shapes(a: SimpleNamespace) -> StepOutputs:
+    b, h = a.fetched_pos.shape[:2]
+    return StepOutputs(  # contiguous, as the kernel's outputs are, whatever the inputs' strides
+        a.rows.new_empty(a.rows.shape),
+        a.fetched_k.new_empty(a.fetched_k.shape),
+        a.fetched_v.new_empty(a.fetched_v.shape),
+        a.fetched_pos.new_empty(a.fetched_pos.shape),
+        a.fetched_valid.new_empty(a.fetched_valid.shape),
+        a.fetched_valid.new_empty(b, h, a.n_picks),
+        a.fetched_pos.new_empty(b, h, a.n_spec),
+        a.fetched_valid.new_empty(b, h, a.n_spec),
+        a.fetched_pos.new_empty(b, h),
     )
+
+
+declare(step_attention_reference, step_shapes)
+step_attention = torch.ops.specache.step_attention  # what the layer calls

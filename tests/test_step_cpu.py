@@ -307,3 +307,32 @@ def test_the_op_under_torch_compile_matches_eager():
         compiled = torch.compile(torch.ops.specache.step_attention, fullgraph=True)(*args)
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
+
+
+class RecordSpeCacheOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """The specache:: ops called under it, with their arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "specache":
+            self.calls.append((func, args))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("integer", [False, True])
+def test_each_op_the_step_calls_passes_opcheck(integer):
+    """Every op's schema is derived from its reference's annotations and its fake reads the
+    arguments by name (specache/ops.py's `declare`): opcheck holds each fake's outputs (shapes,
+    dtypes, strides) and the schema (mutation, aliasing) against the real op, on the arguments a
+    step really passes. A fake that read a wrong argument, or a schema whose outputs do not match
+    the reference's, fails here."""
+    with RecordSpeCacheOps() as recorded:
+        specache.step.step_attention_reference(*step_problem(integer=integer))
+    names = {func.__name__.split(".")[0] for func, _ in recorded.calls}
+    lowbit = "lowbit_partial_attention" + ("_int8" if integer else "")
+    assert names == {lowbit, "merge_segments", "top_positions"}
+    for func, args in recorded.calls:
+        torch.library.opcheck(func, args)

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from specache.kernels import cpu_build, cpu_ops
 from specache.lowbit import SCALE_DTYPES, LowBitKV, value_group
-from specache.ops import lowbit_partial_attention_reference
+from specache.ops import arguments, lowbit_partial_attention_reference
 
 SOURCE = Path(__file__).with_name("lowbit_cpu.c")
 FLAGS = cpu_build.FLAGS
@@ -224,10 +224,11 @@ def _serve(lib: ctypes.CDLL, function: str, reference: Callable, *inputs) -> Out
     """specache::`function` for CPU tensors (its arguments, in its order) where the C++ dispatch
     does not build: the C kernel `function` through ctypes for the shapes it takes, `reference`
     otherwise."""
-    rows, bits, group, visible_len, excluded_pos, excluded_valid = inputs[0], *inputs[7:]
-    if takes(rows, bits, group) and inputs[1].shape[2] > 0:
-        kv = LowBitKV(*inputs[1:7], bits, group)
-        return run_kernel(lib, rows, kv, visible_len, excluded_pos, excluded_valid, function)
+    a = arguments(reference, inputs)
+    if takes(a.rows, a.bits, a.group) and a.k_packed.shape[2] > 0:
+        kv = LowBitKV(**{field: getattr(a, field) for field in LowBitKV._fields})
+        excluded = (a.excluded_pos, a.excluded_valid)
+        return run_kernel(lib, a.rows, kv, a.visible_len, *excluded, function)
     return reference(*inputs)
 
 

@@ -28,7 +28,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from specache.ops import lowbit_partial_attention_reference
+from specache.ops import arguments, lowbit_partial_attention_reference
 
 try:
     import triton
@@ -241,8 +241,8 @@ def run_kernels(
 def _serve(*inputs) -> Outputs:
     """specache::lowbit_partial_attention for CUDA tensors (its arguments, in its order): the
     Triton kernels for the shapes they take, the reference otherwise."""
-    rows, bits, group = inputs[0], inputs[7], inputs[8]
-    if supports(rows, bits, group):
+    a = arguments(lowbit_partial_attention_reference, inputs)
+    if supports(a.rows, a.bits, a.group):
         return run_kernels(*inputs)
     return lowbit_partial_attention_reference(*inputs)
 

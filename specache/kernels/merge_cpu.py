@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from specache.kernels import cpu_build, cpu_ops
-from specache.ops import merge_segments_reference
+from specache.ops import arguments, merge_segments_reference
 
 SOURCE = Path(__file__).with_name("merge_cpu.c")
 MAX_HEAD_DIM, MAX_ROWS = 256, 64  # the C file's MAX_D and MAX_ROWS (query rows per KV head)
@@ -106,23 +106,13 @@ def _check_merge(
         fail("all tensors must be on one device")
 
 
-def run_merge_kernel(
-    lib: ctypes.CDLL,
-    rows: Tensor,
-    row_max: Tensor,
-    row_sum: Tensor,
-    lowbit_out: Tensor,
-    fetched_k: Tensor,
-    fetched_v: Tensor,
-    fetched_valid: Tensor,
-    window_k: Tensor,
-    window_v: Tensor,
-    window_len: Tensor,
-    new_k: Tensor,
-    new_v: Tensor,
-) -> MergeOutputs:
-    """Call the merge in `lib` (a `load`ed build) on CPU tensors."""
-    segments = [(fetched_k, fetched_v), (window_k, window_v), (new_k, new_v)]
+def run_merge_kernel(lib: ctypes.CDLL, *inputs: Tensor) -> MergeOutputs:
+    """Call the merge in `lib` (a `load`ed build) on CPU tensors: specache::merge_segments's
+    arguments, in its order."""
+    a = arguments(merge_segments_reference, inputs)
+    rows, row_max, row_sum, lowbit_out = a.rows, a.row_max, a.row_sum, a.lowbit_out
+    fetched_valid, window_len = a.fetched_valid, a.window_len
+    segments = [(a.fetched_k, a.fetched_v), (a.window_k, a.window_v), (a.new_k, a.new_v)]
     _check_merge(rows, row_max, row_sum, lowbit_out, segments, fetched_valid, window_len)
     if rows.device.type != "cpu":
         raise ValueError(f"merge_segments: the C kernel takes CPU tensors, got {rows.device}")

@@ -1,9 +1,5 @@
 """SpeCache's choice of exact pairs on CPUs: a C kernel for the op `specache::top_positions` that
-specache/ops.py defines (`top_positions_reference` there is the spec):
-
-    top_positions(weights, scale, p_fetched, fetched_pos, p_window, window_start, s, row, gqa_max,
-                  lower, upper, excluded_pos, excluded_valid, k) -> (indices, valid)
-
+specache/ops.py defines (`top_positions_reference` there is the spec, and its signature the op's)
 ranks the positions [0, T) of the history by the weight new row `row` (of S) of the mixed-precision
 attention gives them, and returns each KV head's k best candidates, best first:
 
@@ -27,34 +23,27 @@ gcc it returns False and the reference serves; SPECACHE_NO_CPU_KERNEL=1 forces t
 import ctypes
 from functools import lru_cache, partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
 
 from specache.kernels import cpu_build, cpu_ops
+from specache.ops import arguments, top_positions_reference
 
 SOURCE = Path(__file__).with_name("rank_cpu.c")
 Outputs = tuple[Tensor, Tensor]
 
 
-def _check(
-    weights: Tensor,
-    scale: Tensor,
-    p_fetched: Tensor,
-    fetched_pos: Tensor,
-    p_window: Tensor,
-    window_start: Tensor,
-    s: int,
-    row: int,
-    upper: Tensor,
-    excluded_pos: Tensor,
-    excluded_valid: Tensor,
-    k: int,
-) -> None:
+def _check(a: SimpleNamespace) -> None:
     """Raise ValueError unless the inputs have the layout in the module docstring."""
 
     def fail(message: str):
         raise ValueError(f"top_positions: {message}")
+
+    weights, scale, p_fetched, fetched_pos = a.weights, a.scale, a.p_fetched, a.fetched_pos
+    p_window, window_start, s, row, upper, k = a.p_window, a.window_start, a.s, a.row, a.upper, a.k
+    excluded_pos, excluded_valid = a.excluded_pos, a.excluded_valid
 
     if weights.dim() != 4 or weights.dtype != torch.float32:
         fail(f"weights must be (B, Hkv, M, T) float32, got {tuple(weights.shape)} {weights.dtype}")
@@ -157,73 +146,37 @@ def load(path: Path) -> ctypes.CDLL:
     return cpu_build.load(path, "top_positions", _Problem)
 
 
-def run_kernel(
-    lib: ctypes.CDLL,
-    weights: Tensor,
-    scale: Tensor,
-    p_fetched: Tensor,
-    fetched_pos: Tensor,
-    p_window: Tensor,
-    window_start: Tensor,
-    s: int,
-    row: int,
-    gqa_max: bool,
-    lower: int,
-    upper: Tensor,
-    excluded_pos: Tensor,
-    excluded_valid: Tensor,
-    k: int,
-) -> Outputs:
-    """Call the C kernel of `lib` (a `load`ed build) on CPU tensors."""
-    _check(
-        weights,
-        scale,
-        p_fetched,
-        fetched_pos,
-        p_window,
-        window_start,
-        s,
-        row,
-        upper,
-        excluded_pos,
-        excluded_valid,
-        k,
-    )
-    if weights.device.type != "cpu":
-        raise ValueError(f"top_positions: the C kernel takes CPU tensors, got {weights.device}")
-    b, h, m, t = weights.shape
-    inputs = [
-        x.contiguous()
-        for x in (
-            weights,
-            scale,
-            p_fetched,
-            fetched_pos,
-            p_window,
-            window_start,
-            upper,
-            excluded_pos,
-            excluded_valid,
-        )
-    ]
-    indices = torch.empty(b, h, k, dtype=torch.int64)
-    valid = torch.empty(b, h, k, dtype=torch.bool)
+def run_kernel(lib: ctypes.CDLL, *inputs) -> Outputs:
+    """Call the C kernel of `lib` (a `load`ed build) on CPU tensors: specache::top_positions's
+    arguments, in its order."""
+    a = arguments(top_positions_reference, inputs)
+    _check(a)
+    if a.weights.device.type != "cpu":
+        raise ValueError(f"top_positions: the C kernel takes CPU tensors, got {a.weights.device}")
+    b, h, m, t = a.weights.shape
+    pointed = (
+        a.weights, a.scale, a.p_fetched, a.fetched_pos, a.p_window, a.window_start, a.upper,
+        a.excluded_pos, a.excluded_valid,
+    )  # fmt: skip
+    tensors = [x.contiguous() for x in pointed]  # the struct's pointers, in its order
+    indices = torch.empty(b, h, a.k, dtype=torch.int64)
+    valid = torch.empty(b, h, a.k, dtype=torch.bool)
     problem = _Problem(
-        *(x.data_ptr() for x in inputs),
+        *(x.data_ptr() for x in tensors),
         indices.data_ptr(),
         valid.data_ptr(),
         b,
         h,
         m,
         t,
-        p_fetched.shape[3],
-        p_window.shape[3],
-        excluded_pos.shape[2],
-        k,
-        lower,
-        s,
-        row,
-        gqa_max,
+        a.p_fetched.shape[3],
+        a.p_window.shape[3],
+        a.excluded_pos.shape[2],
+        a.k,
+        a.lower,
+        a.s,
+        a.row,
+        a.gqa_max,
         torch.get_num_threads(),
     )
     if lib.top_positions(ctypes.byref(problem)) != 0:
