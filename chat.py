@@ -19,7 +19,6 @@ from typing import Optional
 import torch
 
 from checkpoint import UserError, load_model, load_tokenizer, resolve_checkpoint
-from disk_tier import SlowTierError
 from generation import GenerateOptions, GenerationResult, compile_decode, generate
 from generate import TextStream, log, peak_memory_bytes, run_command, validate_generation_args
 from options import (
@@ -33,6 +32,7 @@ from options import (
     pick_device,
     validate_cache_args,
 )
+from specache import SlowTierError
 
 COMMANDS = "/reset starts over, /stats shows the cache, /exit leaves; Ctrl-C stops an answer"
 

@@ -287,12 +287,13 @@ def resolve_checkpoint(checkpoint: Optional[Path]) -> Path:
         if not checkpoint.is_file():
             raise UserError(
                 f"{checkpoint.parent} has no model.pth; convert the HF checkpoint first: "
-                f"python scripts/convert_hf_checkpoint.py --checkpoint_dir {checkpoint.parent}"
+                "python scripts/convert/convert_hf_checkpoint.py "
+                f"--checkpoint_dir {checkpoint.parent}"
             )
     if not checkpoint.is_file():
         raise UserError(
             f"checkpoint {checkpoint} not found; download and convert one "
-            "(scripts/download.py), or omit --checkpoint to use the default model"
+            "(scripts/convert/download.py), or omit --checkpoint to use the default model"
         )
     return checkpoint
 

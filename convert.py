@@ -20,8 +20,8 @@ are stored as 1 + w in the GGUF already. Gemma-3 facts the GGUF does not carry a
 scaled by head_dim^-1/2 (dim / heads for the 27B model).
 
 Files are written to a temporary name and renamed at the end, so an interrupted run never leaves a
-half-written model.pth. The command-line tools are scripts/convert_hf_checkpoint.py,
-scripts/convert_gguf.py and scripts/gguf_sentencepiece.py.
+half-written model.pth. The command-line tools are scripts/convert/convert_hf_checkpoint.py,
+scripts/convert/convert_gguf.py and scripts/convert/gguf_sentencepiece.py.
 
 Gemma 3's tokenizer from its GGUF: a GGUF of a SentencePiece model ("tokenizer.ggml.model" =
 "llama") stores every piece with its score
@@ -159,7 +159,7 @@ def load_hf_state_dict(checkpoint_dir: Path) -> dict:
     if not files:
         raise FileNotFoundError(
             f"{checkpoint_dir} has no model.safetensors, pytorch_model.bin or sharded index; "
-            "download the model first (scripts/download.py)"
+            "download the model first (scripts/convert/download.py)"
         )
     state_dict = {}
     for name in files:

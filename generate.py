@@ -23,9 +23,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from caches import flex_attention_available
+from caches.full import flex_attention_available
 from checkpoint import UserError, load_model, load_tokenizer, resolve_checkpoint
-from disk_tier import SlowTierError
 from generation import (
     GenerateOptions,
     compile_decode,
@@ -42,6 +41,7 @@ from options import (
     pick_device,
     validate_cache_args,
 )
+from specache import SlowTierError
 from tokenizer import IncrementalText, Tokenizer
 import tp
 

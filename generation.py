@@ -1,6 +1,6 @@
 """The one generation loop, gpt-fast style: sampling, prefill (in one piece or in chunks), the
-decode steps a cache drives (caches.py), and how they compile. generate.py's command line, chat.py,
-serve.py and the evaluation scripts all generate through `generate` below.
+decode steps a cache drives (caches/), and how they compile. generate.py's command line, chat.py,
+serving/serve.py and the evaluation scripts all generate through `generate` below.
 """
 
 import contextlib
@@ -95,8 +95,8 @@ def prefill_rows(
 ) -> tuple[Tensor, Tensor, CausalPrompt]:
     """The rows, positions and mask of one prefill pass: the prompts' rows first..first+chunk-1
     (of `tokens`, the right-padded (B, S) prompts of `lengths`) at positions start+first on, each
-    attending causally to what its prompt holds. `prefill_pass` runs them alone; serve.py's engine
-    packs one prompt's rows beside other requests' (batching.Engine._pass)."""
+    attending causally to what its prompt holds. `prefill_pass` runs them alone; the server's engine
+    packs one prompt's rows beside other requests' (serving.batching.Engine._pass)."""
     rows = tokens[:, first : first + chunk]
     input_pos = torch.arange(
         start + first, start + first + rows.shape[1], device=tokens.device
@@ -146,13 +146,13 @@ def compile_decode(model: Transformer, fullgraph: bool = True, whole_step: bool 
     2-core CPU, 14.4 against 17.7 ms per step with the full cache and 30.8 against 37.3 with
     SpeCache, for 0.5-3 minutes of compiling per cache kind and length instead of seconds
     (docs/RESULTS.md). It serves the caches whose step is one pass of the model (`whole_step` in
-    caches.py): the full cache, the eviction baselines, and SpeCache with its slow tier in a CPU's
+    caches/): the full cache, the eviction baselines, and SpeCache with its slow tier in a CPU's
     RAM.
 
     Per block: all blocks share one compiled graph (their weights are graph inputs), so compiling
     takes seconds, and the Python loop between blocks is where SpeCache hands fetches to and from
     the background (a GPU, the disk tier); the position is a tensor, so nothing recompiles as it
-    moves. `fullgraph=False` lets a step split its graph where it must (caches.py: `graph_breaks`).
+    moves. `fullgraph=False` lets a step split its graph where it must (caches/: `graph_breaks`).
 
     Each cache kind, row count and capacity is a graph of its own, so a process that compares
     several (the benchmarks) needs more than dynamo's default of 8 per function.
@@ -229,10 +229,10 @@ class GenerateOptions:
     held: int = 0
     keep: bool = False
     # The caller has begun the cache and ingested the prompts (a prefill shared by several caches,
-    # scripts/harness.py): decoding starts from these first tokens (B, 1)
+    # scripts/eval/harness.py): decoding starts from these first tokens (B, 1)
     first_token: Optional[Tensor] = None
     # asked before each step (a host-side check, no device sync): False ends the batch there
-    # (serve.py, when every request in it has what it wants or has gone)
+    # (serving/serve.py, when every request in it has what it wants or has gone)
     keep_going: Callable[[], bool] = lambda: True
 
 
@@ -248,7 +248,7 @@ def generate(
     options: GenerateOptions = GenerateOptions(),
     **sampling,
 ) -> GenerationResult:
-    """Generate up to `max_new_tokens` for each prompt (a ragged batch) with `cache` (caches.py:
+    """Generate up to `max_new_tokens` for each prompt (a ragged batch) with `cache` (caches/:
     a cache set up for len(prompts) sequences; `make_cache` names them all), sampling with
     `sampling` (temperature, top_k: see `sample`; default greedy).
 

@@ -8,9 +8,9 @@ RoPE base), every few layers one sees everything.
 
 Conventions
 - RoPE uses the interleaved layout (pairs (x[2i], x[2i+1]) rotate together), as gpt-fast and
-  llama.cpp do; `scripts/convert_hf_checkpoint.py` permutes HF's rotate-half q/k weights into it,
-  and `scripts/convert_gguf.py` does the same for Gemma-3 (whose GGUF keeps HF's layout), q/k norm
-  weights included, so there is one RoPE here.
+  llama.cpp do; `scripts/convert/convert_hf_checkpoint.py` permutes HF's rotate-half q/k weights
+  into it, and `scripts/convert/convert_gguf.py` does the same for Gemma-3 (whose GGUF keeps HF's
+  layout), q/k norm weights included, so there is one RoPE here.
 - Gemma's RMSNorm multiplies by (1 + w); the converters store 1 + w (llama.cpp's GGUF already
   does), so every RMSNorm here multiplies by its weight.
 - Sliding-window layers keep a ring of the newest `window` positions (`RingKVCache`) instead of a
@@ -22,7 +22,7 @@ Conventions
   left-padding (pad slots on the right hold garbage that the mask never lets anyone read).
 - The KV cache is a seam: `Attention` computes q, k, v and hands them to `self.kv_cache`, whose
   forward stores k, v and returns the attention output. `KVCache` below is the full cache;
-  specache's layers plug in through the same call (caches.py plugs every cache).
+  specache's layers plug in through the same call (caches/ plugs every cache).
 """
 
 import math
@@ -157,8 +157,8 @@ class KVCache(nn.Module):
 
     def row(self, index: int) -> "KVCache":
         """Row `index` of this cache as a cache of its own, for one sequence: a view, so what it
-        writes lands here (serve.py's sequences, which come and go at different times, share one
-        cache a row each)."""
+        writes lands here (the server's sequences, serving/batching.py, which come and go at
+        different times, share one cache a row each)."""
         view = type(self).__new__(type(self))
         nn.Module.__init__(view)
         for name in ("k_cache", "v_cache"):

@@ -1,7 +1,6 @@
-"""The command-line options that generate.py and serve.py share: the model, the device, and the KV
-cache
-(which one, SpeCache's settings, the slow tier, the eviction budgets), with their checks, the cache
-they make, and the one-line summary of its statistics."""
+"""The command-line options that generate.py, chat.py and serving/serve.py share: the model, the
+device, and the KV cache (which one, SpeCache's settings, the slow tier, the eviction budgets), with
+their checks, the cache they make, and the one-line summary of its statistics."""
 
 import argparse
 import os
@@ -10,7 +9,7 @@ from typing import Callable, Optional
 
 import torch
 
-from caches import KINDS, make_cache
+from caches.by_name import KINDS, make_cache
 from checkpoint import UserError
 from model import Transformer
 from specache import Selection
@@ -170,7 +169,7 @@ def add_cache_arguments(
         default=None,
         help="streaming/h2o: tokens kept per layer and KV head (default: as many as fit in the "
         "fast-tier "
-        "bytes SpeCache would use with the --specache_* settings at this length; see eviction.py)",
+        "bytes SpeCache would use with the --specache_* settings at this length; see caches/eviction.py)",
     )
     g.add_argument(
         "--sink_tokens",

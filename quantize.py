@@ -1,11 +1,11 @@
 """Weight-only quantization of a checkpoint: int8 per channel, or int4 per group (gpt-fast's
 quantize.py).
 
-    python scripts/quantize_checkpoint.py --mode int8        # the default model -> \
+    python scripts/convert/quantize_checkpoint.py --mode int8        # the default model -> \
         model_int8.pth beside it
-    python scripts/quantize_checkpoint.py --checkpoint checkpoints/<org>/<model>/model.pth --mode \
-        int4 --groupsize 32
-                                                             # -> model_int4.g32.pth
+    python scripts/convert/quantize_checkpoint.py --checkpoint \
+        checkpoints/<org>/<model>/model.pth --mode int4 --groupsize 32
+                                                                     # -> model_int4.g32.pth
     python generate.py --checkpoint checkpoints/<org>/<model>/model_int4.g32.pth --specache \
         --prompt "..."
 
@@ -22,7 +22,7 @@ weights), the lookup keeps the exact table, and the file grows by that copy.
 The files store this plain layout, not a device's tile format, so one file serves every device.
 At run time, on a CPU, a few rows (decode: up to 16) go through kernels/linear_cpu.c, which reads
 each 1- or half-byte code once and widens it in registers, at about the machine's read bandwidth
-(scripts/bench_quant.py measures it against inductor's fused multiply-reduce and torch's
+(scripts/bench/bench_quant.py measures it against inductor's fused multiply-reduce and torch's
 `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`); many rows (prefill) dequantize the weight,
 then multiply. Without that kernel, compiled code fuses the unpacking, scaling and the
 multiply-reduce of `model.linear`, and eager code uses torch's kernels. `dequantize_int8` and

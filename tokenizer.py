@@ -3,7 +3,7 @@
 `get_tokenizer(checkpoint_dir)` picks by what the directory holds:
 - `tokenizer.json` -> HF `tokenizers` (SmolLM2, Qwen2.5, and HF-format Llama-3),
 - `tokenizer.model` that SentencePiece can read -> SentencePiece (Llama-2, Mistral, Gemma 3, whose
-  tokenizer.model `scripts/gguf_sentencepiece.py` rebuilds from a GGUF),
+  tokenizer.model `scripts/convert/gguf_sentencepiece.py` rebuilds from a GGUF),
 - `tokenizer.model` that it cannot -> tiktoken with Llama-3's pattern and special tokens.
 
 Chat formats are chosen from the vocabulary: ChatML where `<|im_start|>` exists, the Llama-3 header

@@ -53,9 +53,9 @@ import torch.nn as nn
 from torch import Tensor
 
 from checkpoint import UserError, load_model
-from disk_tier import SlowTierError
 from model import Linear, Transformer
 from quantize import Int4Linear
+from specache import SlowTierError
 
 T = TypeVar("T")
 _set_up = False  # whether `agree` has passed: errors after it are each rank's own
@@ -289,7 +289,7 @@ def max_over_ranks(n: int) -> int:
 
 
 def combine_stats(stats: dict) -> dict:
-    """A cache's statistics (caches.py: `stats`) over all ranks: bytes (every key that names them)
+    """A cache's statistics (caches/: `stats`) over all ranks: bytes (every key that names them)
     summed, what all ranks hold or move together; other numbers with a fraction (ratios, rates,
     shares, the diagnostics) the mean over ranks, which is the ratio of the sums wherever the ranks'
     denominators are equal (every rank holds as many heads of the same capacity, and all see the

@@ -8,13 +8,13 @@ and a context whose 16-bit cache does not fit in memory can still be decoded.
 - Layout: a layer's file is (B, T, Hkv, 2, D) in the pairs' dtype: one position's K and V for
   every KV head are contiguous, so a fetched position is one read (4 KiB on a Llama-3-8B shape:
   one page), and a position that several heads pick is read once. Per-head planes read as many
-  pages for scattered positions and 8x more when heads agree (scripts/bench_disk.py --layout).
+  pages for scattered positions and 8x more when heads agree (scripts/bench/bench_disk.py --layout).
 - Reads: a gather of whole positions through a read-only memory map of the file, split over a
   pool of I/O threads (torch releases the GIL, so their page faults run side by side); positions
   in one page cost one fault, and MADV_RANDOM stops readahead around them. Each thread maps the
   file for its share of one read only, so the pages it touched do not stay in the process's
   resident memory. A layer's cold fetch took 0.67-0.8x the time of os.preadv over runs of adjacent
-  positions from the same threads (scripts/bench_disk.py --layout). A disk error while reading
+  positions from the same threads (scripts/bench/bench_disk.py --layout). A disk error while reading
   through a map is a SIGBUS, which ends the process; a filesystem that cannot map files is
   refused when the generation begins.
 - Writes: `os.pwrite`, so a full disk is an OSError (through a map it would be a SIGBUS): the
@@ -44,15 +44,11 @@ from typing import NamedTuple, NoReturn, Optional
 import torch
 from torch import Tensor
 
-from specache import Kappa, TierSpec
+from specache import Kappa, SlowTierError, TierSpec
 from specache.tiers import held_match
 
 # Reads in flight: this box's virtio disk did 12k random 4 KiB reads/s with one, about 50k with 16.
 IO_THREADS = 16
-
-
-class SlowTierError(RuntimeError):
-    """The disk tier could not be made, written or read (a full disk, an unwritable folder)."""
 
 
 def default_directory() -> str:

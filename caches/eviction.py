@@ -10,7 +10,7 @@ drop the rest for good, which is what SpeCache avoids by keeping every pair in t
 
 Choices (ours, where the papers leave room or where our setting differs):
 - Equal budget: the same fast-tier bytes as SpeCache at the same capacity.
-`caches.equal_budget_tokens`
+`caches.by_name.equal_budget_tokens`
   divides SpeCache's fast-tier bytes per layer and sequence (low-bit copy, scales, window, fetched
   pairs, their positions) by what one kept token costs over all KV heads: its 16-bit K and V, its
   position and its score. Pairs are 16-bit as SpeCache's are (fp16 when the model runs in fp32).
@@ -33,9 +33,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from caches.full import sixteen_bit_cache_bytes
 from specache.lowbit import sixteen_bit_dtype
 from model import CAUSAL_PROMPT, CausalPrompt, RingKVCache, Transformer, attention
-from specache_stats import sixteen_bit_cache_bytes
 
 POLICIES = ("streaming", "h2o")
 
@@ -219,7 +219,7 @@ class EvictionLayer(nn.Module):
 class EvictionCache:
     """An eviction cache in every full-attention layer of `model` (a ring in each sliding-window
     layer), for `batch_size` sequences of up to `max_seq_length` positions, driven by
-    generation.generate (see caches.py for the protocol). Decode steps take one row."""
+    generation.generate (see caches/__init__.py for the protocol). Decode steps take one row."""
 
     graph_breaks = False
     whole_step = True

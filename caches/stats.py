@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from model import Transformer
+from caches.full import sixteen_bit_cache_bytes
 from specache import SpeCacheLayer
 from specache.ops import (
     LowBitPart,
@@ -192,7 +192,7 @@ class Diagnostics:
 
 
 def step_bytes(cache, positions: list[int]) -> int:
-    """KV bytes one decode step of a SpeCache (caches.PluggedSpeCache) reads when its sequences
+    """KV bytes one decode step of a SpeCache (plugged.PluggedSpeCache) reads when its sequences
     hold `positions` tokens: the low-bit copy up to each sequence's Lq, the window and the slots
     (the slow tier is read only by the fetches, counted apart), and the rings of sliding-window
     layers."""
@@ -210,7 +210,7 @@ def step_bytes(cache, positions: list[int]) -> int:
 
 
 def cache_stats(cache, steps: int, row: Optional[int] = None) -> dict:
-    """A SpeCache's (caches.PluggedSpeCache) tier sizes, the ratio to a 16-bit cache of the same
+    """A SpeCache's (plugged.PluggedSpeCache) tier sizes, the ratio to a 16-bit cache of the same
     length, fetch volume, speculation quality, and the diagnostics when it has them: of every
     sequence, or of the one on `row` (specache/rows.py: its share of the tiers)."""
     c, method, state = cache.model.config, cache.config.method, cache.state
@@ -277,15 +277,3 @@ def cache_stats(cache, steps: int, row: Optional[int] = None) -> dict:
     if cache.probe is not None and cache.probe.observing:
         stats["diagnostics"] = cache.probe.summary()
     return stats
-
-
-def sixteen_bit_cache_bytes(
-    model: Transformer, capacity: int, batch: int = 1, windows: bool = True
-) -> int:
-    """Bytes of 16-bit K and V caches for `batch` sequences of `capacity` positions: what the
-    fast-tier ratios compare with. Sliding-window layers hold their window only (as the full cache
-    here does), or with `windows=False` the whole capacity (as a cache that ignores them would)."""
-    c = model.config
-    per_position = 2 * 2 * c.n_local_heads * c.head_dim
-    held = [capacity if w is None or not windows else w for w in map(c.window, range(c.n_layer))]
-    return batch * per_position * sum(held)

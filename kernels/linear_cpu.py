@@ -12,7 +12,7 @@ The weights are quantize.py's layouts:
 A decode step multiplies one row per sequence (two with SpeCache's speculative row) by every
 weight, so its time is the time to read the weights once. kernels/linear_cpu.c reads each weight
 once per call and widens it in registers, at about the machine's read bandwidth where inductor's
-fused multiply-reduce over int8 codes reached a third of it (scripts/bench_quant.py measures
+fused multiply-reduce over int8 codes reached a third of it (scripts/bench/bench_quant.py measures
 every way to run a quantized Linear here). It is the op `gptfast::quantized_linear`, one opaque
 call under torch.compile, dispatched in C++ where kernels/host_ops.cpp builds, built at first use
 (specache/kernels/cpu_build.py); without gcc, or when the build fails, `available()` is

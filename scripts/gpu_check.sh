@@ -10,9 +10,10 @@
 #     synchronous fetch inside each layer), not speculative, and with each fetch waited for (each
 #     method and length is a compile of its own, so one length keeps this inside the time); then the
 #     largest batch at 32k (up to 16) of the full cache and SpeCache 1-bit, and its tok/s;
-#  3. serving: serve.py's engine in one process (no HTTP stack there), static against continuous
-#     batching on the mixed load, SmolLM2's shape with random weights, the full cache and SpeCache
-#     1-bit (their sequences a row each of one cache; scripts/bench_batching.py);
+#  3. serving: the server's engine (serving/batching.py) in one process (no HTTP stack there), static
+#     against continuous batching on the mixed load, SmolLM2's shape with random weights, the full
+#     cache and SpeCache 1-bit (their sequences a row each of one cache;
+#     scripts/bench/bench_batching.py);
 #  4. on a machine with two GPUs or more, tensor parallelism over NCCL: two ranks (cuda:0, cuda:1) against
 #     one GPU, the logits and greedy tokens of every cache on a tiny random model (tests/test_tp.py);
 #     skipped with one GPU.
@@ -36,18 +37,18 @@ timeout 150 python -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/tes
 tests=${PIPESTATUS[0]}
 echo "exit status $tests" >> "$out/cuda_tests.txt"
 
-timeout 240 python scripts/bench.py --device cuda --random_weights Meta-Llama-3-8B --dtype bfloat16 \
+timeout 240 python scripts/bench/bench.py --device cuda --random_weights Meta-Llama-3-8B --dtype bfloat16 \
   --lengths 32768 --batch_sizes 1 --new_tokens 16 --no_hf \
   --methods full specache-1bit:paper specache-1bit specache-nospec-1bit "specache-1bit, fetch waited" \
   --out "$out/bench" 2>&1 | tee "$out/bench.log"
 bench=${PIPESTATUS[0]}
 
-timeout 120 python scripts/bench.py --device cuda --random_weights Meta-Llama-3-8B --dtype bfloat16 \
+timeout 120 python scripts/bench/bench.py --device cuda --random_weights Meta-Llama-3-8B --dtype bfloat16 \
   --lengths 32768 --batch_sizes 1 --new_tokens 8 --no_hf --methods full specache-1bit \
   --max_batch --max_batch_cap 16 --out "$out/max_batch" 2>&1 | tee "$out/max_batch.log"
 largest=${PIPESTATUS[0]}
 
-timeout 100 python scripts/bench_batching.py --device cuda --random_weights SmolLM2-135M \
+timeout 100 python scripts/bench/bench_batching.py --device cuda --random_weights SmolLM2-135M \
   --dtype bfloat16 --requests 16 --answer_tokens 16 64 --out "$out/batching" 2>&1 \
   | tee "$out/batching.log"
 batching=${PIPESTATUS[0]}

@@ -11,7 +11,7 @@ own mask.
 Where do the caches live? The full cache, and SpeCache with its slow tier in host RAM (a CPU's, or
 pinned beside a GPU), are one cache set up for `max_batch_size` sequences, shared by the sequences
 a row each (`shares_rows`): a pass's decode steps then attend in one call per layer for every
-decoding sequence (the cache's `decode_steps`: caches.decode_on_rows, specache/rows.py), where
+decoding sequence (the cache's `decode_steps`: caches.full.decode_on_rows, specache/rows.py), where
 a cache per sequence would take one call per sequence and layer; a prompt chunk goes to its
 sequence's row (the cache's `row`). Other caches (SpeCache's disk tier; eviction; a model with
 sliding-window rings) give each sequence a cache of its own.

@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server on generate.py's model and caches (SpeCache among them).
 
-    python serve.py --cache specache --port 8000
+    python -m serving.serve --cache specache --port 8000
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}],
         "max_tokens": 32}'
@@ -27,8 +27,8 @@ prompt joins. With the full cache, and SpeCache with its slow tier in host RAM, 
 one cache, a row each (a decode step attends in one call per layer for all of them); with the
 others each request has a cache of its own.
 Either way greedy answers equal generate.py's for the same prompt (with the same --prefill_chunk),
-and a sampled request with a seed gives the same answer alone or beside others. `--batching
-static` lets requests join only an empty batch (the baseline scripts/bench_serve.py compares with).
+and a sampled request with a seed gives the same answer alone or beside others. `--batching static`
+lets requests join only an empty batch (the baseline scripts/bench/bench_serve.py compares with).
 
 Conversations: the cache of a finished chat request is kept (up to --keep_conversations_gb: a
 full-cache row's K and V copied out, the tokens it holds; another cache whole, its bytes as
@@ -59,9 +59,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from batching import PREFILL_CHUNK, Engine, QueueFull
 from checkpoint import UserError, load_model, load_tokenizer, resolve_checkpoint
-from openai_api import APIError, ChatRequest, CompletionRequest, Sampling, validation_message
 from options import (
     add_cache_arguments,
     add_model_arguments,
@@ -70,6 +68,14 @@ from options import (
     model_dtype,
     pick_device,
     validate_cache_args,
+)
+from serving.batching import PREFILL_CHUNK, Engine, QueueFull
+from serving.openai_api import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    Sampling,
+    validation_message,
 )
 from tokenizer import IncrementalText, Tokenizer
 
@@ -412,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="continuous",
         help="continuous (default): requests join the running batch between passes and leave it "
         "when done, and each pass takes their prompt chunks beside the running answers' steps; "
-        "static: they join only an empty batch (scripts/bench_serve.py's baseline)",
+        "static: they join only an empty batch (scripts/bench/bench_serve.py's baseline)",
     )
     p.add_argument(
         "--keep_conversations_gb",

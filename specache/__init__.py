@@ -61,7 +61,15 @@ from specache.config import PAPER, VARIANTS, Method, Placement, Selection, SpeCa
 from specache.layer import Probe, SpeCacheLayer
 from specache.pinned import PinnedTier
 from specache.rows import SpeCacheRow
-from specache.tiers import Kappa, PrefetchSlots, RamTier, SlowTier, TierSpec, TierState
+from specache.tiers import (
+    Kappa,
+    PrefetchSlots,
+    RamTier,
+    SlowTier,
+    SlowTierError,
+    TierSpec,
+    TierState,
+)
 
 __all__ = [
     "SpeCache",
@@ -74,6 +82,7 @@ __all__ = [
     "SpeCacheLayer",
     "Probe",
     "SlowTier",
+    "SlowTierError",
     "TierSpec",
     "TierState",
     "Kappa",

@@ -136,7 +136,7 @@ class SpeCache:
 
     def step_rows(self, token: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """`step`'s first half: the rows the step's pass takes, and their positions. A caller
-        that runs several caches' rows in one pass (serve.py) calls the halves itself."""
+        that runs several caches' rows in one pass (serving/serve.py) calls the halves itself."""
         self.state.phase = DECODE
         if not self.speculative:
             return token, positions

@@ -33,7 +33,7 @@ from specache.tiers import (
 
 
 class Probe(Protocol):
-    """Diagnostics plugged in from outside (this repository's specache_stats.py); the method
+    """Diagnostics plugged in from outside (this repository's caches/stats.py); the method
     never needs one. `oracle`: the real row's picks come from `oracle_picks` instead of its
     low-bit weights."""
 

@@ -99,6 +99,12 @@ class SlowTier(Protocol):
         """Bytes held."""
 
 
+class SlowTierError(RuntimeError):
+    """A slow tier could not be made, written or read because its storage failed (a full disk, an
+    unwritable folder), not the method: a host reports it as one error line, whatever the tier
+    (the host's disk tier raises it)."""
+
+
 def gather_pairs(store: Tensor, positions: Tensor, out: Optional[Tensor] = None) -> Tensor:
     """out[b, h, i] = store[b, h, positions[b, h, i]]: the pairs at `positions` (B, Hkv, K)."""
     index = positions.unsqueeze(-1).expand(*positions.shape, store.shape[-1])

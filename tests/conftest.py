@@ -206,8 +206,8 @@ def fixed_seed():
 @pytest.fixture(scope="session")
 def specache_kernels():
     """The C kernels (and on a GPU the Triton ones) serve specache's ops where they build, as
-    they do once caches.py has plugged SpeCache into a model."""
-    from caches import accelerate_specache
+    they do once caches/plugged.py has plugged SpeCache into a model."""
+    from caches.plugged import accelerate_specache
 
     accelerate_specache()
 

@@ -1,6 +1,6 @@
-"""serve.py's engine (batching.py) on a tiny random model, without HTTP: sequences that join a
-running batch and leave it decode what generation.generate decodes alone, and a kept conversation
-continues as chat.py continues one."""
+"""The server's engine (serving/batching.py) on a tiny random model, without HTTP: sequences that
+join a running batch and leave it decode what generation.generate decodes alone, and a kept
+conversation continues as chat.py continues one."""
 
 import threading
 import time
@@ -8,9 +8,10 @@ import time
 import pytest
 import torch
 
-import caches
-from batching import Engine, Sequence, Slot
-from caches import FullCache, KernelKVCache, make_cache
+import caches.full
+from caches.by_name import make_cache
+from caches.full import FullCache, KernelKVCache
+from serving.batching import Engine, Sequence, Slot
 from model import KVCache
 import specache.rows
 from specache import RamTier, SpeCacheLayer
@@ -36,7 +37,7 @@ HYBRID = dict(
 
 
 class Collect:
-    """A job as the engine sees it (serve.Job's fields), that records its tokens."""
+    """A job as the engine sees it (serving.serve.Job's fields), that records its tokens."""
 
     def __init__(self, prompt, max_tokens, sampling=(0.0, None, None), keep=False):
         self.prompt_ids, self.max_tokens, self.sampling, self.keep = (
@@ -218,7 +219,7 @@ def test_decode_steps_on_rows_of_a_shared_cache_equal_each_row_alone(kind):
     apart.v_cache.copy_(shared.v_cache)
     at, pos = torch.tensor([2, 0]), torch.tensor([[9, 20]])
     q, k, v = (torch.randn(1, n, 2, 16, generator=g) for n in (4, 2, 2))
-    out = caches.decode_on_rows(shared, at, q, k, v, pos)
+    out = caches.full.decode_on_rows(shared, at, q, k, v, pos)
     for i, row in enumerate(at.tolist()):
         one = apart.row(row)
         alone = one(
@@ -240,13 +241,13 @@ def test_a_cache_in_ram_is_one_cache_shared_a_row_each(name, monkeypatch):
     model = tiny_model()
     calls = []
     if name == "full":
-        real = caches.decode_on_rows
+        real = caches.full.decode_on_rows
 
         def counted(shared, at, *args):
             calls.append(len(at))
             return real(shared, at, *args)
 
-        monkeypatch.setattr(caches, "decode_on_rows", counted)
+        monkeypatch.setattr(caches.full, "decode_on_rows", counted)
     else:
         real = specache.rows.step_on_rows
 

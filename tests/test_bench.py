@@ -1,10 +1,11 @@
 """The benchmarks' parts that decide figures: bench.py's largest-batch search and report tables,
-bench_batch_step.py's timings, the mixed load's report (bench_batching.py)."""
+bench_batch_step.py's timings, the mixed load's report (bench_batching.py), all in
+scripts/bench/."""
 
 import pytest
 
 from conftest import tiny_model
-from scripts.bench import (
+from scripts.bench.bench import (
     NoTokenizer,
     largest_batch,
     max_batch,
@@ -12,9 +13,9 @@ from scripts.bench import (
     release_caches,
     table,
 )
-from scripts.bench_batch_step import engine_step_seconds, one_cache_step_seconds
-from scripts.bench_batching import mixed_report
-from scripts.harness import Runner
+from scripts.bench.bench_batch_step import engine_step_seconds, one_cache_step_seconds
+from scripts.bench.bench_batching import mixed_report
+from scripts.eval.harness import Runner
 
 
 @pytest.mark.parametrize("limit", [0, 1, 2, 3, 7, 8, 9, 40, 64, 100])
@@ -98,7 +99,7 @@ def test_tables_give_ratios_to_the_fastest_full_cache_and_llama_cpp_of_the_same_
 
 
 def test_profile_parts_name_the_kernels_and_leave_wrappers_to_dispatch():
-    from scripts.profile_step import part_of
+    from scripts.bench.profile_step import part_of
 
     assert part_of("gptfast::quantized_linear") == "weights"
     assert part_of("gptfast::dense_decode_attention") == "full-cache attention"

@@ -1,5 +1,5 @@
-"""scripts/bench_shape.py's parts: the random model and GGUF of a shape, llama.cpp's KV cache filled
-by tiling a saved sequence state, and the table's ratios."""
+"""scripts/bench/bench_shape.py's parts: the random model and GGUF of a shape, llama.cpp's KV cache
+filled by tiling a saved sequence state, and the table's ratios."""
 
 import ctypes
 
@@ -8,15 +8,15 @@ import torch
 
 from config import ModelArgs
 from quantize import Int4Linear
-from scripts.bench import random_model
-from scripts.bench_peers import (
+from scripts.bench.bench import random_model
+from scripts.bench.bench_peers import (
     bench_llama_cpp_at_length,
     llama_cpp_available,
     read_sequence_state,
     write_random_gguf,
     write_tiled_state,
 )
-from scripts.bench_shape import FULL, PEER, table
+from scripts.bench.bench_shape import FULL, PEER, table
 
 needs_llama_cpp = pytest.mark.skipif(
     not llama_cpp_available(), reason="llama-cpp-python is not installed"
@@ -133,7 +133,7 @@ def test_table_gives_ratios_to_our_full_cache_and_llama_cpp_f16_of_the_same_cont
 
 @needs_llama_cpp
 def test_a_failing_llama_cpp_child_becomes_an_error_naming_its_row(tmp_path):
-    from scripts.bench_shape import run_llama_cpp
+    from scripts.bench.bench_shape import run_llama_cpp
 
     with pytest.raises(RuntimeError, match=r"llama.cpp at 300 \(f16 KV\): ValueError"):
         run_llama_cpp(tmp_path / "missing.gguf", 300, 2, "f16", str(tmp_path))

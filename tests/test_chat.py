@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from caches import FullCache, PluggedSpeCache
+from caches.full import FullCache
+from caches.plugged import PluggedSpeCache
 from conftest import specache_config
 from generation import GenerateOptions, generate
 from tokenizer import get_tokenizer

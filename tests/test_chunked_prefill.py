@@ -10,7 +10,9 @@ that decode steps wrote differ from a prefill's.
 import pytest
 import torch
 
-from caches import FullCache, PluggedSpeCache, make_cache
+from caches.full import FullCache
+from caches.plugged import PluggedSpeCache
+from caches.by_name import make_cache
 from conftest import specache_config, tiny_model
 from generation import GenerateOptions, generate
 from reference_decoder import ReferenceDecoder

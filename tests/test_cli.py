@@ -296,7 +296,7 @@ def test_repeated_samples_report_the_same_generation(capsys, smollm2_checkpoint,
     """--num_samples 3 of a batch of two copies, greedy, k below the context and window flushes on
     the way: six identical texts and three identical cache summaries (a leak from one generation
     into the next changed them)."""
-    from scripts.haystack import essays_dir
+    from scripts.eval.haystack import essays_dir
 
     essay = sorted(essays_dir().glob("*.txt"))[0].read_text(encoding="utf-8")[:2500]
     prompt = essay + "\n\nIn one sentence, what is this essay about?"

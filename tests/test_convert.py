@@ -10,7 +10,7 @@ from conftest import make_tiny_hf_model
 import checkpoint
 import convert as converter
 from checkpoint import load_model
-from scripts import download as downloader
+from scripts.convert import download as downloader
 
 
 def reference_logits(hf_model, ids):

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 import specache
-from caches import FullCache, PluggedSpeCache
+from caches.full import FullCache
+from caches.plugged import PluggedSpeCache
 from conftest import specache_config, tiny_model
 from generation import compile_decode, generate
-from specache_stats import Diagnostics
+from caches.stats import Diagnostics
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SMALL = dict(group=16, residual=16)
@@ -201,13 +202,13 @@ def test_quantized_linears_on_cuda_match_their_references():
 
 @pytest.mark.parametrize("name", ["full", "specache"])
 def test_the_engine_on_cuda_shares_one_cache_a_row_each(name, monkeypatch):
-    """serve.py's engine on the GPU, its sequences a row each of one cache (SpeCache's slow tier
-    pinned in host RAM, its real rows written and its prefetches fetched on side streams, each
-    fetch slowed down here so that more of them are in flight when the host moves rows). A
-    conversation is kept (copied out of its row once the moves in flight have landed); six
-    requests through a batch of 3 overwrite its row and answer what generate answers for each
-    prompt alone on the GPU; the conversation then continues from a copy back, beside other
-    requests, as generate continues a kept cache."""
+    """The server's engine (serving/batching.py) on the GPU, its sequences a row each of one cache
+    (SpeCache's slow tier pinned in host RAM, its real rows written and its prefetches fetched on
+    side streams, each fetch slowed down here so that more of them are in flight when the host moves
+    rows). A conversation is kept (copied out of its row once the moves in flight have landed); six
+    requests through a batch of 3 overwrite its row and answer what generate answers for each prompt
+    alone on the GPU; the conversation then continues from a copy back, beside other requests, as
+    generate continues a kept cache."""
     import time
 
     from test_batching import METHODS, Collect, alone, engine_for, prompts, settled

@@ -1,5 +1,5 @@
-"""The disk slow tier (disk_tier.py) against the RAM one: the same tokens and logits, files that
-exist only while a generation runs, and one clear error when the disk fails."""
+"""The disk slow tier (caches/disk_tier.py) against the RAM one: the same tokens and logits, files
+that exist only while a generation runs, and one clear error when the disk fails."""
 
 import errno
 import mmap
@@ -14,17 +14,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import disk_tier
+from caches import disk_tier
 from conftest import tiny_model
-from disk_tier import SlowTierError
+from specache import SlowTierError
 from generation import generate
 from generate import main
-from scripts.harness import Runner
-from scripts.haystack import needle_prompt
-from caches import PluggedSpeCache
+from scripts.eval.harness import Runner
+from scripts.eval.haystack import needle_prompt
+from caches.plugged import PluggedSpeCache
 from conftest import specache_config
 from specache import SpeCacheLayer
-from specache_stats import Diagnostics
+from caches.stats import Diagnostics
 from tokenizer import get_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,8 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model
-from caches import FullCache, equal_budget_tokens
-from eviction import (
+from caches.full import FullCache
+from caches.by_name import equal_budget_tokens
+from caches.eviction import (
     EvictionCache,
     EvictionConfig,
     EvictionLayer,
@@ -15,7 +16,7 @@ from eviction import (
 )
 from generation import generate
 from model import CausalPrompt
-from caches import PluggedSpeCache
+from caches.plugged import PluggedSpeCache
 from conftest import specache_config
 
 

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_model
-from caches import FullCache
+from caches.full import FullCache
 from generation import generate
-from caches import PluggedSpeCache
+from caches.plugged import PluggedSpeCache
 from conftest import specache_config
 
 FUZZ = settings(max_examples=25, deadline=None, derandomize=True)

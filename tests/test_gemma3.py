@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from generation import generate
-from scripts.haystack import haystack_tokens
-from caches import FullCache
-from caches import PluggedSpeCache
+from scripts.eval.haystack import haystack_tokens
+from caches.full import FullCache
+from caches.plugged import PluggedSpeCache
 from conftest import specache_config
 from tokenizer import get_tokenizer
 

@@ -199,7 +199,7 @@ def gemma_strings(
 def gemma_model_file(gemma3_gguf, tmp_path_factory) -> Path:
     import gguf
 
-    from scripts.gguf_sentencepiece import write_sentencepiece_model
+    from scripts.convert.gguf_sentencepiece import write_sentencepiece_model
 
     return write_sentencepiece_model(
         gguf.GGUFReader(gemma3_gguf), tmp_path_factory.mktemp("gemma-tokenizer") / "tokenizer.model"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from caches import FullCache
+from caches.full import FullCache
 from generation import compile_decode, generate
 
 

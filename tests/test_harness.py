@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from caches import NAMED_METHODS, FullCache, make_cache, parse_method, specache_config
-from eviction import EvictionCache, EvictionConfig
+from caches.by_name import NAMED_METHODS, make_cache, parse_method, specache_config
+from caches.full import FullCache
+from caches.eviction import EvictionCache, EvictionConfig
 from generation import generate
-from scripts.harness import Runner, write_report
+from scripts.eval.harness import Runner, write_report
 
 TOPK = 16
 
@@ -71,7 +72,7 @@ def test_batched_copies_change_nothing():
 
 
 def test_prompt_format_auto_picks_chat_for_chat_tuned_names_only():
-    from scripts.harness import wants_chat
+    from scripts.eval.harness import wants_chat
 
     assert wants_chat("auto", "SmolLM2-135M-Instruct") and wants_chat("auto", "gemma-3-1b-it")
     assert not wants_chat("auto", "gemma-3-270m") and not wants_chat("auto", "Meta-Llama-3-8B")

@@ -8,7 +8,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from caches import FullCache, PluggedSpeCache
+from caches.full import FullCache
+from caches.plugged import PluggedSpeCache
 from checkpoint import load_model
 from conftest import make_tiny_hf_model, specache_config
 from convert import convert_hf_checkpoint
@@ -55,7 +56,7 @@ def test_smollm2_in_hf_with_specache_gives_our_tokens(
     smollm2_model, smollm2_checkpoint, hf_smollm2, select
 ):
     import tokenizer
-    from scripts.haystack import needle_prompt
+    from scripts.eval.haystack import needle_prompt
 
     tokens = tokenizer.get_tokenizer(smollm2_checkpoint.parent)
     prompt = needle_prompt(tokens, 1500, 50)

@@ -103,7 +103,7 @@ def test_the_copy_imports_on_torch_alone_and_the_repository_is_out_of_reach(tmp_
     found = python(folder, "-c", "import specache; print(specache.__file__)")
     assert found.returncode == 0, found.stderr
     assert Path(found.stdout.strip()) == folder / "specache" / "__init__.py"
-    for module in ("model", "kernels", "caches", "specache_stats"):
+    for module in ("model", "kernels", "caches", "serving"):
         assert python(folder, "-c", f"import {module}").returncode != 0, module
     imports = python(folder, "-c", "import sys, specache; print(sorted(sys.modules))").stdout
     # the method on torch alone: not the host, nor the kernels or transformers until asked for
@@ -142,7 +142,7 @@ def test_a_minimal_host_matches_the_reference_decoder_on_smollm2(
     tmp_path, smollm2_model, smollm2_checkpoint
 ):
     import tokenizer
-    from scripts.haystack import needle_prompt
+    from scripts.eval.haystack import needle_prompt
 
     prompt = needle_prompt(tokenizer.get_tokenizer(smollm2_checkpoint.parent), 1500, 50)
     # the defaults: k = 64 of ~1500

@@ -32,18 +32,20 @@ LAYERS = [
     ["specache.kernels"],  # register()
     ["specache.hf"],  # transformers and the package alone
     # the host
-    ["config", "tokenizer", "openai_api"],
+    ["config", "tokenizer", "serving.openai_api"],
     ["kernels.host_ops"],  # the host's own kernels, on the package's build and dispatch
     ["kernels.linear_cpu", "kernels.dense_cpu"],
     ["model"],
     ["quantize", "convert"],
-    ["disk_tier", "specache_stats"],
-    ["eviction"],
-    ["caches"],
+    # the caches, caches/
+    ["caches.full", "caches.disk_tier"],
+    ["caches.stats", "caches.eviction"],
+    ["caches.plugged"],
+    ["caches.by_name"],  # make_cache
     ["checkpoint"],
     ["generation", "options", "tp"],
-    ["generate", "batching"],
-    ["serve", "chat"],
+    ["generate", "serving.batching"],
+    ["serving.serve", "chat"],
 ]
 
 
@@ -53,12 +55,15 @@ def project_modules() -> dict[str, Path]:
         *REPO_ROOT.glob("kernels/*.py"),
         *REPO_ROOT.glob("specache/*.py"),
         *REPO_ROOT.glob("specache/kernels/*.py"),
-        *REPO_ROOT.glob("scripts/*.py"),
+        *REPO_ROOT.glob("caches/*.py"),
+        *REPO_ROOT.glob("serving/*.py"),
+        *REPO_ROOT.glob("scripts/**/*.py"),
     ]
     return {
         ".".join(f.relative_to(REPO_ROOT).with_suffix("").parts).removesuffix(".__init__"): f
         for f in files
-        # the package's __init__ files are modules of their own (its public names, register())
+        # the package's __init__ files are modules of their own (its public names, register());
+        # the host's (caches/, serving/) hold their docstrings alone
         if f.name != "__init__.py" or f.relative_to(REPO_ROOT).parts[0] == "specache"
     }
 

@@ -1,12 +1,12 @@
-"""scripts/long_run.py: the drift and memory checks, shortened."""
+"""scripts/eval/long_run.py: the drift and memory checks, shortened."""
 
 import types
 
 import torch
 
 from conftest import tiny_model
-from scripts.harness import Runner
-from scripts.long_run import (
+from scripts.eval.harness import Runner
+from scripts.eval.long_run import (
     distinct_ngrams,
     drift,
     first_difference,
@@ -28,7 +28,7 @@ def test_helpers():
 def test_full_cache_choices_are_what_greedy_decoding_picks():
     model = tiny_model()
     prompt = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(1)).tolist()
-    from caches import FullCache
+    from caches.full import FullCache
     from generation import generate
 
     generated = generate(model, FullCache(model, 1, 50), [prompt], 20, temperature=0).tokens[0]
@@ -37,7 +37,7 @@ def test_full_cache_choices_are_what_greedy_decoding_picks():
 
 def test_shortened_drift_run_on_the_real_model(smollm2_checkpoint):
     from checkpoint import load_model
-    from scripts.haystack import haystack_tokens
+    from scripts.eval.haystack import haystack_tokens
     from tokenizer import get_tokenizer
 
     model = load_model(smollm2_checkpoint, torch.device("cpu"), torch.float32)

@@ -1,6 +1,6 @@
-"""scripts/longbench.py without a model: metrics against hand-computed values, the per-task rules
-(metric, post-processing, chat or not, generation length), prompts and their middle truncation,
-data loading (local jsonl and the hub's data.zip), and a whole run with a fake runner.
+"""scripts/eval/longbench.py without a model: metrics against hand-computed values, the per-task
+rules (metric, post-processing, chat or not, generation length), prompts and their middle
+truncation, data loading (local jsonl and the hub's data.zip), and a whole run with a fake runner.
 
 The fixtures in tests/fixtures/longbench/ are hand-made samples in LongBench's jsonl format.
 """
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from scripts import longbench as lb
+from scripts.eval import longbench as lb
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "longbench"
 

@@ -6,9 +6,9 @@ import types
 
 import pytest
 
-from scripts.harness import SweepLog
-from scripts.haystack import NEEDLE
-from scripts.needle import coverage_plot, heatmap, rouge1_recall, sweep, tables
+from scripts.eval.harness import SweepLog
+from scripts.eval.haystack import NEEDLE
+from scripts.eval.needle import coverage_plot, heatmap, rouge1_recall, sweep, tables
 
 
 def test_rouge1_recall_of_the_needle():
@@ -103,7 +103,7 @@ def test_a_stopped_sweep_resumes_with_the_cells_it_had_not_finished(tmp_path):
 
 def test_completion_prompts_end_where_the_answer_starts():
     from checkpoint import prepare_default_checkpoint
-    from scripts.haystack import ANSWER_PREFIX, needle_prompt
+    from scripts.eval.haystack import ANSWER_PREFIX, needle_prompt
     from tokenizer import get_tokenizer
 
     tokenizer = get_tokenizer(prepare_default_checkpoint().parent)

@@ -1,6 +1,6 @@
 """quantize.py: int8 and int4 weight-only quantization, its modules against their references,
-the files scripts/quantize_checkpoint.py writes and generate.py loads by name, and SpeCache on a
-quantized model."""
+the files scripts/convert/quantize_checkpoint.py writes and generate.py loads by name, and SpeCache
+on a quantized model."""
 
 import pytest
 import torch
@@ -21,9 +21,9 @@ from quantize import (
     quantize_int8,
     quantized_state_dict,
 )
-from scripts import quantize_checkpoint
-from caches import FullCache
-from caches import PluggedSpeCache
+from scripts.convert import quantize_checkpoint
+from caches.full import FullCache
+from caches.plugged import PluggedSpeCache
 from conftest import specache_config
 
 

@@ -2,7 +2,7 @@
 fp32): our conversion == HF transformers' Qwen2ForCausalLM (both) and tokenizer (0.5B) loaded from
 the same GGUF.
 
-Needs the GGUFs: $QWEN_GGUF (0.5B), or the ones `python scripts/convert_gguf.py --model
+Needs the GGUFs: $QWEN_GGUF (0.5B), or the ones `python scripts/convert/convert_gguf.py --model
 qwen2.5-coder-{0.5b,1.5b}-instruct` left in the cache (checkpoint.split_gguf_path); else these tests
 skip.
 A tiny random Qwen2 GGUF against HF runs everywhere (tests/test_convert.py).
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.haystack import haystack_tokens
+from scripts.eval.haystack import haystack_tokens
 from tokenizer import get_tokenizer
 
 PROMPT_TOKENS, DECODE_STEPS = 300, 6
@@ -36,7 +36,7 @@ def prepared(size: str) -> tuple[Path, Path]:
     gguf = Path(given or split_gguf_path(spec))
     if not gguf.is_file():
         pytest.skip(
-            f"{spec.name}'s GGUF is not here: run `python scripts/convert_gguf.py --model "
+            f"{spec.name}'s GGUF is not here: run `python scripts/convert/convert_gguf.py --model "
             f"qwen2.5-coder-{size}-instruct` (downloads {spec.size / 1e6:.0f} MB)"
             + (" or set $QWEN_GGUF" if size == "0.5b" else "")
         )

@@ -11,12 +11,13 @@ import statistics
 import pytest
 import torch
 
-from caches import PluggedSpeCache, split_oracle
+from caches.plugged import PluggedSpeCache
+from caches.by_name import split_oracle
 from conftest import tiny_model
 from generation import generate
 from reference_decoder import ReferenceDecoder
 from specache import Method, Placement, SpeCacheConfig
-from specache_stats import Diagnostics
+from caches.stats import Diagnostics
 
 NEW_TOKENS = 32
 
@@ -167,7 +168,7 @@ def test_tiny_model_matches_reference(case):
 @pytest.fixture(scope="module")
 def smollm2_prompt(smollm2_checkpoint):
     import tokenizer
-    from scripts.haystack import needle_prompt
+    from scripts.eval.haystack import needle_prompt
 
     return needle_prompt(tokenizer.get_tokenizer(smollm2_checkpoint.parent), 1500, 50)
 

@@ -1,5 +1,5 @@
-"""scripts/ruler.py: samples fit their length and hold their answers the way each RULER task asks;
-seeding; the metric; the CLI's tables and report driven by a fake runner (no model runs)."""
+"""scripts/eval/ruler.py: samples fit their length and hold their answers the way each RULER task
+asks; seeding; the metric; the CLI's tables and report driven by a fake runner (no model runs)."""
 
 import json
 import random
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from scripts import ruler
-from scripts.ruler import (
+from scripts.eval import ruler
+from scripts.eval.ruler import (
     NOISE,
     TASKS,
     largest_fitting,

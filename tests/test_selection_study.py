@@ -1,5 +1,5 @@
-"""scripts/selection_study.py: the decode it records is the one the full cache attended over, and
-its per-step figures behave as their definitions say."""
+"""scripts/eval/selection_study.py: the decode it records is the one the full cache attended over,
+and its per-step figures behave as their definitions say."""
 
 import random
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scripts.harness import Runner
-from scripts.ruler import make_sample
-from scripts.selection_study import (
+from scripts.eval.harness import Runner
+from scripts.eval.ruler import make_sample
+from scripts.eval.selection_study import (
     CHOICES,
     hadamard,
     one_bit_copy,

@@ -1,6 +1,6 @@
-"""serve.py: the real server in a subprocess on 127.0.0.1, spoken to with the official `openai`
-client (and raw HTTP for what a client library would refuse to send). Greedy answers are held
-against generation.generate on the same model and cache, run in this process."""
+"""serving/serve.py: the real server in a subprocess on 127.0.0.1, spoken to with the official
+`openai` client (and raw HTTP for what a client library would refuse to send). Greedy answers are
+held against generation.generate on the same model and cache, run in this process."""
 
 import asyncio
 import socket
@@ -12,10 +12,10 @@ import httpx
 import openai
 import pytest
 
-from caches import make_cache
+from caches.by_name import make_cache
 from generation import GenerateOptions, generate
-from scripts.bench_serve import server_flags, start_server
-from serve import Job, main
+from scripts.bench.bench_serve import server_flags, start_server
+from serving.serve import Job, main
 from tokenizer import get_tokenizer
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT
-from caches import FullCache
+from caches.full import FullCache
 from generation import generate
 from tokenizer import get_tokenizer
 

@@ -1,9 +1,9 @@
-"""The soak test's short version (scripts/soak_serve.py): SpeCache with its slow tier on disk, the
-hardest case for what may be left behind."""
+"""The soak test's short version (scripts/bench/soak_serve.py): SpeCache with its slow tier on disk,
+the hardest case for what may be left behind."""
 
 import socket
 
-from scripts.soak_serve import soak
+from scripts.bench.soak_serve import soak
 
 
 def free_port() -> int:

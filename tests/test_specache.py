@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import specache
-from caches import FullCache, PluggedSpeCache
+from caches.full import FullCache
+from caches.plugged import PluggedSpeCache
 from config import ModelArgs
 from conftest import reference_ops, specache_config, tiny_model
 from generation import compile_decode, generate
@@ -15,7 +16,7 @@ from model import KVCache, Transformer
 from reference_decoder import lookup_guess
 from specache import SpeCacheConfig, SpeCacheLayer
 from specache.lowbit import LowBitKV, dequantize_keys, quantize_keys, quantize_values
-from specache_stats import Diagnostics
+from caches.stats import Diagnostics
 
 VOCAB = 97
 # small groups so that a few dozen steps cross several window flushes

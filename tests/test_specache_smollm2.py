@@ -8,9 +8,10 @@ full cache's (the full cache answers in 24 tokens and stops).
 import pytest
 
 import specache
-from caches import FullCache, make_cache
+from caches.full import FullCache
+from caches.by_name import make_cache
 from generation import generate
-from scripts.haystack import answered, needle_prompt
+from scripts.eval.haystack import answered, needle_prompt
 from tokenizer import get_tokenizer
 
 NEW_TOKENS = 32

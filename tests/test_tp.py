@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT, tiny_model
-from caches import make_cache
+from caches.by_name import make_cache
 from checkpoint import DEFAULT_CHECKPOINT_DIR, UserError, load_model, load_tokenizer
 from generation import generate
 from generate import main

@@ -1,25 +1,25 @@
 """Decode speed of every cache side by side, against the machine's read bandwidth and HF
 transformers.
 
-    python scripts/bench.py                                          # 1k-16k x batch 1, 4; all \
+    python scripts/bench/bench.py                                    # 1k-16k x batch 1, 4; all \
         methods
-    python scripts/bench.py --lengths 16384 --batch_sizes 1 --methods full specache-1bit --out \
-        /tmp/bench
-    python scripts/bench.py --lengths 1024 4096 --no_hf --dtype bfloat16
-    python scripts/bench.py --device cuda --random_weights Meta-Llama-3-8B --dtype bfloat16 \
+    python scripts/bench/bench.py --lengths 16384 --batch_sizes 1 --methods full specache-1bit \
+        --out /tmp/bench
+    python scripts/bench/bench.py --lengths 1024 4096 --no_hf --dtype bfloat16
+    python scripts/bench/bench.py --device cuda --random_weights Meta-Llama-3-8B --dtype bfloat16 \
         --lengths 32768 --batch_sizes 1 --max_batch --no_hf         # as scripts/gpu_check.sh runs
         it
 
 Every figure comes from one run. Per context length, one random-token prompt is prefilled once
-(batch 1, full precision, as every method does: scripts/harness.py) and each method's cache takes
-its K and V (`batch` copies of it), then decodes `--new_tokens` steps, compiled (`--eager`: not),
-after a warm-up that compiles the method's graphs. SmolLM2's trained context is 8k: longer prompts
-here measure speed only. A step's time is the median of the steps timed (the box may be shared, and
-a spike in one step then moves no figure); HF's rows take the mean from the first new token to the
-last. The full cache's fast-tier MB are its K and V as allocated, in the model's dtype (rings for
-sliding-window layers). Bytes per step are what the step must read: the weights plus what each
-tier's step reads (the full cache: its K and V up to the position, in the model's dtype, and the
-rings; SpeCache: its low-bit copy, window and fetched pairs, and the rings; eviction: its kept
+(batch 1, full precision, as every method does: scripts/eval/harness.py) and each method's cache
+takes its K and V (`batch` copies of it), then decodes `--new_tokens` steps, compiled (`--eager`:
+not), after a warm-up that compiles the method's graphs. SmolLM2's trained context is 8k: longer
+prompts here measure speed only. A step's time is the median of the steps timed (the box may be
+shared, and a spike in one step then moves no figure); HF's rows take the mean from the first new
+token to the last. The full cache's fast-tier MB are its K and V as allocated, in the model's dtype
+(rings for sliding-window layers). Bytes per step are what the step must read: the weights plus what
+each tier's step reads (the full cache: its K and V up to the position, in the model's dtype, and
+the rings; SpeCache: its low-bit copy, window and fetched pairs, and the rings; eviction: its kept
 pairs, and the rings). The machine's read bandwidth (a plain sum of a large tensor) is measured at
 the start and again around each row, since the box may be shared; "% of bw" uses the reading around
 the row. Ratios to the full cache are tok/s over the full cache's tok/s at the same length and
@@ -37,7 +37,7 @@ one by one (median), with an f16 KV cache and, up to --llama_cpp_q4_kv_max, a q4
 attention); its bytes per step are the GGUF file and its KV cache.
 
 Long contexts with SpeCache's slow tier on disk, a Llama-3-8B shape at 64k-128k with int8 weights
-and synthetic K and V (no prefill), cold and warm page cache: `scripts/bench_disk.py`.
+and synthetic K and V (no prefill), cold and warm page cache: `scripts/bench/bench_disk.py`.
 
 `--random_weights NAME` times a model of that shape (a name in config.py's transformer_configs, such
 as Meta-Llama-3-8B) with random weights, where no checkpoint can travel (the GPU check): speed
@@ -60,17 +60,17 @@ from typing import Callable, Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from checkpoint import load_model  # noqa: E402
-from caches import full_cache_step_bytes  # noqa: E402
+from caches.full import full_cache_step_bytes  # noqa: E402
 from generation import weight_bytes  # noqa: E402
 from config import ModelArgs, transformer_configs  # noqa: E402
 from model import Transformer  # noqa: E402
 from quantize import Int4Linear, Int8Linear, pack_int4, replace_linears  # noqa: E402
 from checkpoint import find_default_gguf, prepare_default_checkpoint  # noqa: E402
-from scripts.harness import RESULTS_DIR, Runner, method_argument, write_report  # noqa: E402
+from scripts.eval.harness import RESULTS_DIR, Runner, method_argument, write_report  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
-from scripts.bench_peers import (  # noqa: E402
+from scripts.bench.bench_peers import (  # noqa: E402
     bench_hf,
     bench_llama_cpp,
     llama_cpp_available,

@@ -1,16 +1,17 @@
-"""What a decode step of several sequences costs against a step of one: serve.py's engine (where
-the sequences share one cache, a row each: the full cache's, and SpeCache's in a CPU's RAM)
+"""What a decode step of several sequences costs against a step of one: serving/serve.py's engine
+(where the sequences share one cache, a row each: the full cache's, and SpeCache's in a CPU's RAM)
 against one cache set up for the whole batch by generate.
 
-    python scripts/bench_batch_step.py                                # 2k context, 1, 2, 4, 8
-    python scripts/bench_batch_step.py --context 1024 --batch 1 8 --methods full --out /tmp/step
+    python scripts/bench/bench_batch_step.py                          # 2k context, 1, 2, 4, 8
+    python scripts/bench/bench_batch_step.py --context 1024 --batch 1 8 --methods full \
+        --out /tmp/step
 
 Per method and batch size B: B prompts of --context tokens (random ids, greedy) go to an engine
-(batching.Engine, eager, --dtype, batches of B, prompt chunks of 256), and once all B decode, the
-median time between --steps of its decode passes (a job's tokens) is reported; then the same B
-prompts decode in one cache of batch B (generation.generate), the median time between its steps.
-Ratios: over the engine's step of one sequence. This curve bounds what continuous batching can
-gain over static batching on a machine: what a step costs per sequence as the batch fills.
+(serving.batching.Engine, eager, --dtype, batches of B, prompt chunks of 256), and once all B
+decode, the median time between --steps of its decode passes (a job's tokens) is reported; then the
+same B prompts decode in one cache of batch B (generation.generate), the median time between its
+steps. Ratios: over the engine's step of one sequence. This curve bounds what continuous batching
+can gain over static batching on a machine: what a step costs per sequence as the batch fills.
 """
 
 import argparse
@@ -22,18 +23,18 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from batching import Engine  # noqa: E402
-from caches import make_cache  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from serving.batching import Engine  # noqa: E402
+from caches.by_name import make_cache  # noqa: E402
 from checkpoint import load_model, resolve_checkpoint  # noqa: E402
 from generation import GenerateOptions, generate  # noqa: E402
-from scripts.harness import write_report  # noqa: E402
+from scripts.eval.harness import write_report  # noqa: E402
 
 CHUNK = 256
 
 
 class Endless:
-    """A job (serve.Job's fields) that takes tokens until told to stop."""
+    """A job (serving.serve.Job's fields) that takes tokens until told to stop."""
 
     def __init__(self, prompt: list[int]):
         self.prompt_ids, self.max_tokens, self.keep = prompt, 1 << 30, False

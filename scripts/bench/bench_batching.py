@@ -1,20 +1,20 @@
-"""Static against continuous batching in one process: serve.py's engine (batching.Engine) without
-HTTP, on the mixed load of `bench_serve.py --workload mixed`. It runs where serve.py's HTTP stack is
-not installed (a GPU machine: scripts/gpu_check.sh runs it) and without the HTTP stack's share of
-the time.
+"""Static against continuous batching in one process: serving/serve.py's engine
+(serving.batching.Engine) without HTTP, on the mixed load of `bench_serve.py --workload mixed`. It
+runs where serving/serve.py's HTTP stack is not installed (a GPU machine: scripts/gpu_check.sh runs
+it) and without the HTTP stack's share of the time.
 
-    python scripts/bench_batching.py                                   # the embedded SmolLM2
-    python scripts/bench_batching.py --dtype bfloat16 --repeats 3 --out /tmp/batching
-    python scripts/bench_batching.py --device cuda --random_weights Meta-Llama-3-8B \\
+    python scripts/bench/bench_batching.py                             # the embedded SmolLM2
+    python scripts/bench/bench_batching.py --dtype bfloat16 --repeats 3 --out /tmp/batching
+    python scripts/bench/bench_batching.py --device cuda --random_weights Meta-Llama-3-8B \\
         --dtype bfloat16
 
 Per method and run, static batching and then continuous (`Engine(static=...)`): one engine (eager,
-batches of 8, serve.py's prompt chunks) takes --requests requests from 8 client threads, each
-submitting its next request when the last is answered: every 4th has a --prompt_tokens prompt, the
-rest --short_tokens (random token ids, each request its own), and each takes an answer of its own
-length, drawn (seeded, the same for both batchings) between the two --answer_tokens bounds, every
-token of it (no stop token: with random weights any token may be one). The time to first token runs
-from a request's submission to its first token.
+batches of 8, serving/serve.py's prompt chunks) takes --requests requests from 8 client threads,
+each submitting its next request when the last is answered: every 4th has a --prompt_tokens prompt,
+the rest --short_tokens (random token ids, each request its own), and each takes an answer of its
+own length, drawn (seeded, the same for both batchings) between the two --answer_tokens bounds,
+every token of it (no stop token: with random weights any token may be one). The time to first token
+runs from a request's submission to its first token.
 
 Reported as bench_serve.py's mixed load (`mixed_report`): the short and long requests' median time
 to first token, generated tokens/s over the run's wall-clock, continuous over static for the same
@@ -42,19 +42,19 @@ from typing import Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from batching import PREFILL_CHUNK, Engine  # noqa: E402
-from caches import make_cache  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from serving.batching import PREFILL_CHUNK, Engine  # noqa: E402
+from caches.by_name import make_cache  # noqa: E402
 from checkpoint import load_model, resolve_checkpoint  # noqa: E402
-from scripts.bench import random_model  # noqa: E402
-from scripts.harness import write_report  # noqa: E402
+from scripts.bench.bench import random_model  # noqa: E402
+from scripts.eval.harness import write_report  # noqa: E402
 
 MIXED_BATCH = 8  # the clients, and the engine's max_batch_size
 
 
 class Request:
-    """A job as the engine sees it (serve.Job's fields) that takes `max_tokens` tokens, whatever
-    they are, and records when its first came."""
+    """A job as the engine sees it (serving.serve.Job's fields) that takes `max_tokens` tokens,
+    whatever they are, and records when its first came."""
 
     def __init__(self, prompt: list[int], max_tokens: int):
         self.prompt_ids, self.max_tokens, self.keep = prompt, max_tokens, False

@@ -1,9 +1,9 @@
 """SpeCache with its slow tier on disk, at long context, for speed only.
 
-    python scripts/bench_disk.py                          # Llama-3-8B shape, int8, 64k and 128k, \
+    python scripts/bench/bench_disk.py                    # Llama-3-8B shape, int8, 64k and 128k, \
         cold and warm
-    python scripts/bench_disk.py --lengths 8192 --steps 4 --out /tmp/disk   # a quick look
-    python scripts/bench_disk.py --layout                 # the file layout and read method, \
+    python scripts/bench/bench_disk.py --lengths 8192 --steps 4 --out /tmp/disk  # a quick look
+    python scripts/bench/bench_disk.py --layout           # the file layout and read method, \
         measured
 
 A model of a named shape (config.py) with random int8 weights, and each cache filled with synthetic
@@ -30,11 +30,11 @@ without the shortlist: `specache-1bit:default,shortlist=0`). The full cache in R
 fits; where it does not, the allocation is tried in a child process limited to this machine's
 memory, and its error reported.
 
-`--layout` times one layer's fetch (64 positions per KV head, 8 KV heads, a 128k-position file of
-a Llama-3-8B layer) from two layouts, position-major (B, T, Hkv, 2, D: disk_tier.py's) and per-head
-planes (Hkv, T, 2, D), read with os.preadv in runs of adjacent rows or gathered through a memory map
-(disk_tier.py's), from the same I/O threads, with
-heads that pick different positions or the same ones, cold and warm.
+`--layout` times one layer's fetch (64 positions per KV head, 8 KV heads, a 128k-position file of a
+Llama-3-8B layer) from two layouts, position-major (B, T, Hkv, 2, D: caches/disk_tier.py's) and
+per-head planes (Hkv, T, 2, D), read with os.preadv in runs of adjacent rows or gathered through a
+memory map (caches/disk_tier.py's), from the same I/O threads, with heads that pick different
+positions or the same ones, cold and warm.
 
 Writes {out}/bench_disk.md (the tables under the command) and {out}/bench_disk.json.
 """
@@ -56,20 +56,21 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from caches import FullCache, make_cache  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from caches.full import FullCache  # noqa: E402
+from caches.by_name import make_cache  # noqa: E402
 from config import transformer_configs  # noqa: E402
-from disk_tier import IO_THREADS  # noqa: E402
+from caches.disk_tier import IO_THREADS  # noqa: E402
 from generation import GenerateOptions, generate, weight_bytes  # noqa: E402
 
 # noqa: E402
 from generate import exit_on_signal  # noqa: E402
 
 # noqa: E402
-from scripts.bench import full_cache_bytes, random_model, release_caches  # noqa: E402
-from scripts.bench_peers import measure_read_bandwidth  # noqa: E402
-from scripts.harness import RESULTS_DIR, write_report  # noqa: E402
-from scripts.long_run import resident_bytes  # noqa: E402
+from scripts.bench.bench import full_cache_bytes, random_model, release_caches  # noqa: E402
+from scripts.bench.bench_peers import measure_read_bandwidth  # noqa: E402
+from scripts.eval.harness import RESULTS_DIR, write_report  # noqa: E402
+from scripts.eval.long_run import resident_bytes  # noqa: E402
 
 METHODS = [
     ("specache-1bit", True),
@@ -427,7 +428,7 @@ def main() -> None:
         nargs="+",
         default=None,
         metavar="METHOD",
-        help="SpeCache methods (scripts/bench.py's names), each with its fetch overlapped "
+        help="SpeCache methods (scripts/bench/bench.py's names), each with its fetch overlapped "
         "(default: ours and the paper's, each overlapped and waited, and the non-speculative)",
     )
     parser.add_argument(

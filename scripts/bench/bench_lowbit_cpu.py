@@ -1,7 +1,8 @@
 """SpeCache's low-bit pass on CPU, as a decode step runs it: the float and the integer C kernels
 against the DRAM floor of the bytes they read.
 
-    python scripts/bench_lowbit_cpu.py [--lengths 4096 16384 32768] [--layers 30] [--repeats 5]
+    python scripts/bench/bench_lowbit_cpu.py [--lengths 4096 16384 32768] [--layers 30] \
+        [--repeats 5]
 
 Per length, --layers separate low-bit copies (one per layer, as a step reads them: together far
 larger than the caches, so the bytes come from DRAM) go through each kernel in turn, and a row
@@ -25,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_peers import measure_read_bandwidth  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scripts.bench.bench_peers import measure_read_bandwidth  # noqa: E402
 from specache.kernels import lowbit_cpu, lowbit_int_cpu  # noqa: E402
 from specache.ops import lowbit_partial_attention_int8_reference  # noqa: E402
 from specache.lowbit import LowBitKV, quantize_keys, quantize_values  # noqa: E402

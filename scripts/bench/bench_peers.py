@@ -1,4 +1,4 @@
-"""The peers scripts/bench.py times beside our caches, on the same prompts: HF transformers'
+"""The peers scripts/bench/bench.py times beside our caches, on the same prompts: HF transformers'
 generate (its DynamicCache, or its quantized cache through optimum-quanto) and llama.cpp through
 llama-cpp-python; and the read bandwidth every row is measured against.
 """

@@ -1,7 +1,7 @@
 """Peak memory and time of a long prompt's prefill, in one piece against --prefill_chunk.
 
-    python scripts/bench_prefill.py                                    # 16k tokens, chunks of 1024
-    python scripts/bench_prefill.py --prompt_tokens 4096 --chunks 512 2048 --out /tmp/prefill
+    python scripts/bench/bench_prefill.py                              # 16k tokens, chunks of 1024
+    python scripts/bench/bench_prefill.py --prompt_tokens 4096 --chunks 512 2048 --out /tmp/prefill
 
 Per method and chunk size, one `python generate.py --json` process (so that each peak resident
 memory is its own) prefills the same prompt (prose, --prompt_tokens tokens) and generates 4 tokens,
@@ -16,13 +16,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from checkpoint import resolve_checkpoint  # noqa: E402
-from scripts.bench_serve import prompt_text, server_flags  # noqa: E402
-from scripts.harness import write_report  # noqa: E402
+from scripts.bench.bench_serve import prompt_text, server_flags  # noqa: E402
+from scripts.eval.harness import write_report  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 4
 
 

@@ -1,6 +1,6 @@
 """The ways to run a quantized Linear on this CPU, timed over one decode step's Linears.
 
-    python scripts/bench_quant.py [--rows 1] [--repeats 8]
+    python scripts/bench/bench_quant.py [--rows 1] [--repeats 8]
 
 The Linears of SmolLM2-135M's 30 blocks (wqkv folded into one 960x576, wo, w1 and w3 as one
 3072x576, w2), random weights, `--rows` activation rows (1: batch-1 decode). Per path: ms for the
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kernels import linear_cpu  # noqa: E402
 from specache.lowbit import unpack_bits  # noqa: E402
 from model import linear  # noqa: E402

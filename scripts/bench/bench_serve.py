@@ -1,11 +1,12 @@
-"""Load on serve.py: requests/s and tokens/s at several concurrencies, full cache against SpeCache.
+"""Load on serving/serve.py: requests/s and tokens/s at several concurrencies, full cache against
+SpeCache.
 
-    python scripts/bench_serve.py                                   # 2k-token prompts, \
+    python scripts/bench/bench_serve.py                             # 2k-token prompts, \
         concurrency 1, 4, 8
-    python scripts/bench_serve.py --prompt_tokens 512 --concurrency 1 2 --requests 2 --out \
+    python scripts/bench/bench_serve.py --prompt_tokens 512 --concurrency 1 2 --requests 2 --out \
         /tmp/serve
 
-Per method, one server (`python serve.py`, in a subprocess on 127.0.0.1, eager, in --dtype,
+Per method, one server (`python -m serving.serve`, in a subprocess on 127.0.0.1, eager, in --dtype,
 --max_batch_size the highest concurrency, --max_seq_length the prompt plus the answer) and, per
 concurrency C, C clients (threads with the official `openai` client) that each send --requests
 completions one after the other: a prompt of --prompt_tokens tokens (its own text per request, so
@@ -15,8 +16,9 @@ Reported: requests/s and generated tokens/s over the wall-clock of all of a conc
 the median latency of a request, and the server's peak resident memory (VmHWM, after all
 concurrencies), with the server's default (continuous) batching.
 
-    python scripts/bench_serve.py --workload mixed    # static against continuous batching
-    python scripts/bench_serve.py --workload turns    # a second chat turn, kept or prefilled again
+    python scripts/bench/bench_serve.py --workload mixed   # static against continuous batching
+    python scripts/bench/bench_serve.py --workload turns   # a second chat turn, kept or prefilled
+                                                           # again
 
 `mixed`: per method, one server with `--batching static` and one with `continuous` (batches of 8)
 take the same --mixed_requests streamed completions from 8 clients, each sending its next request
@@ -29,12 +31,12 @@ and generated tokens/s over the run's wall-clock; continuous over static in the 
 from the server's /health, how full its batch ran: the sequences a decode step advanced on average,
 and the share of the worker's busy time spent in passes that held a prompt chunk (a cost both
 batchings pay in full), and 'at a full batch', an estimate of what continuous batching could reach
-there (scripts/bench_batching.py says how; it runs the same load in one process, without HTTP).
-With --repeats N, the pair runs N times in turn, each continuous run's ratios are over the static
-run just before it, and a second table gives their median and range: how full a static batch runs
-depends on when requests happen to arrive, so one pair's ratio varies from run to run.
+there (scripts/bench/bench_batching.py says how; it runs the same load in one process, without
+HTTP). With --repeats N, the pair runs N times in turn, each continuous run's ratios are over the
+static run just before it, and a second table gives their median and range: how full a static batch
+runs depends on when requests happen to arrive, so one pair's ratio varies from run to run.
 
-    python scripts/bench_serve.py --workload mixed --dtype bfloat16 --repeats 3
+    python scripts/bench/bench_serve.py --workload mixed --dtype bfloat16 --repeats 3
 
 `turns`: per method, a chat's first turn (a --prompt_tokens message, 16 tokens of reply) and then
 its second turn (the reply and a short question), streamed, on a server that keeps conversations
@@ -55,19 +57,19 @@ from typing import Optional
 import httpx
 import openai
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from caches import parse_method  # noqa: E402
-from scripts.bench_batching import (  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from caches.by_name import parse_method  # noqa: E402
+from scripts.bench.bench_batching import (  # noqa: E402
     MIXED_BATCH,
     health_figures,
     mixed_report,
     mixed_request,
 )
 from checkpoint import resolve_checkpoint  # noqa: E402
-from scripts.harness import write_report  # noqa: E402
+from scripts.eval.harness import write_report  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SENTENCES = (
     "The river runs past the old mill and under the stone bridge. ",
     "Children play by the water in summer. ",
@@ -94,11 +96,13 @@ def prompt_text(tokenizer, tokens: int, seed: int) -> str:
 
 
 def start_server(flags: list[str], port: int, log: Path, timeout: float = 300) -> subprocess.Popen:
-    """serve.py with `flags` on 127.0.0.1:`port` (its stderr into `log`), once /health answers."""
+    """serving/serve.py with `flags` on 127.0.0.1:`port` (its stderr into `log`), once /health
+    answers."""
     process = subprocess.Popen(
         [
             sys.executable,
-            str(REPO_ROOT / "serve.py"),
+            "-m",
+            "serving.serve",
             "--port",
             str(port),
             "--log_level",
@@ -112,14 +116,14 @@ def start_server(flags: list[str], port: int, log: Path, timeout: float = 300) -
     deadline = time.time() + timeout
     while time.time() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"serve.py exited:\n{log.read_text()}")
+            raise RuntimeError(f"serving/serve.py exited:\n{log.read_text()}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                 return process
         except httpx.HTTPError:
             time.sleep(0.5)
     process.kill()
-    raise TimeoutError(f"serve.py did not start:\n{log.read_text()}")
+    raise TimeoutError(f"serving/serve.py did not start:\n{log.read_text()}")
 
 
 def peak_rss_bytes(pid: int) -> int:
@@ -393,7 +397,7 @@ def main() -> None:
         "--prefill_chunk",
         type=int,
         default=None,
-        help="mixed: both servers' --prefill_chunk (default: serve.py's)",
+        help="mixed: both servers' --prefill_chunk (default: serving/serve.py's)",
     )
     parser.add_argument(
         "--dtype",

@@ -1,22 +1,21 @@
 """Decode speed of a model shape at long context, with random weights, beside llama.cpp on the same
 shape: the Llama-3-8B shape at 16k-64k by default.
 
-    python scripts/bench_shape.py                                       # int4, 16k 32k 64k
-    python scripts/bench_shape.py --weights int8 --lengths 65536
-    python scripts/bench_shape.py --lengths 4096 --steps 3 --out /tmp/shape     # a quick look
+    python scripts/bench/bench_shape.py                                 # int4, 16k 32k 64k
+    python scripts/bench/bench_shape.py --weights int8 --lengths 65536
+    python scripts/bench/bench_shape.py --lengths 4096 --steps 3 --out /tmp/shape  # a quick look
 
 Speed only: the weights are random and the tokens mean nothing.
 
 Ours: a model of the shape (config.py) with random int4 weights (group 128: 4.5 bits a weight, as
 llama.cpp's Q4_0) or int8 ones, bf16 activations, decode compiled per block as generate.py
 --compile does (`--eager`: not). Each cache is filled with synthetic K and V (random normal,
-scripts/bench_disk.py's `fill`) instead of a prefill, which on this shape would take hours on a
-CPU. Methods: the full cache (FlexAttention when compiled) and SpeCache at 1 bit with our
-selection and the paper's, its slow tier in RAM, or on disk where the 16-bit cache does not fit
-in RAM beside the weights (the full cache is then left out; bench_disk.py measures that tier
-cold and warm; here the page cache holds what it holds). Random keys spread attention evenly, so
-SpeCache's positions change more from step to step than a real model's: a pessimistic case for
-its reuse.
+scripts/bench/bench_disk.py's `fill`) instead of a prefill, which on this shape would take hours on
+a CPU. Methods: the full cache (FlexAttention when compiled) and SpeCache at 1 bit with our
+selection and the paper's, its slow tier in RAM, or on disk where the 16-bit cache does not fit in
+RAM beside the weights (the full cache is then left out; bench_disk.py measures that tier cold and
+warm; here the page cache holds what it holds). Random keys spread attention evenly, so SpeCache's
+positions change more from step to step than a real model's: a pessimistic case for its reuse.
 
 llama.cpp (llama-cpp-python, `pip install -r requirements-bench.txt`): a GGUF of the same shape with
 random Q4_0 (int4) or Q8_0 (int8) weights, written with the gguf package's writer; its KV cache
@@ -49,19 +48,19 @@ from typing import Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from caches import make_cache  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from caches.by_name import make_cache  # noqa: E402
 from config import ModelArgs, transformer_configs  # noqa: E402
 from generation import GenerateOptions, compile_decode, generate, weight_bytes  # noqa: E402
-from scripts.bench import full_cache_bytes, random_model, release_caches  # noqa: E402
-from scripts.bench_disk import fill  # noqa: E402
-from scripts.bench_peers import (  # noqa: E402
+from scripts.bench.bench import full_cache_bytes, random_model, release_caches  # noqa: E402
+from scripts.bench.bench_disk import fill  # noqa: E402
+from scripts.bench.bench_peers import (  # noqa: E402
     bench_llama_cpp_at_length,
     llama_cpp_available,
     measure_read_bandwidth,
     write_random_gguf,
 )
-from scripts.harness import RESULTS_DIR, write_report  # noqa: E402
+from scripts.eval.harness import RESULTS_DIR, write_report  # noqa: E402
 
 METHODS = ["full", "specache-1bit", "specache-1bit:paper"]
 WARMUP = 3  # steps before timing: the first ones compile
@@ -203,7 +202,7 @@ def main() -> None:
         "--groupsize", type=int, default=128, help="int4's group (128: 4.5 bits a weight)"
     )
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536])
-    parser.add_argument("--methods", nargs="+", default=METHODS, help="our caches (caches.py)")
+    parser.add_argument("--methods", nargs="+", default=METHODS, help="our caches (caches/)")
     parser.add_argument("--steps", type=int, default=4, help="decode steps timed per row")
     parser.add_argument(
         "--llama_cpp_kv",

@@ -2,7 +2,7 @@
 op (`specache::step_attention`, specache/kernels/step_cpu.cpp) against the same layers run op by op
 (`SpeCacheLayer.step_in_parts`, what a slow tier outside RAM or a probe runs), eager and compiled.
 
-    python scripts/bench_step_op.py --checkpoint \
+    python scripts/bench/bench_step_op.py --checkpoint \
         checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/model_int4.g32.pth --out /tmp/step_op
 
 Per mode and context: one random-token prompt prefilled once, then the two variants in turn, one
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from checkpoint import load_model, prepare_default_checkpoint  # noqa: E402
-from scripts.bench import prompt_of_length  # noqa: E402
-from scripts.harness import Runner  # noqa: E402
+from scripts.bench.bench import prompt_of_length  # noqa: E402
+from scripts.eval.harness import Runner  # noqa: E402
 from specache import SpeCacheLayer  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
@@ -63,7 +63,9 @@ def main() -> None:
         "--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"]
     )
     parser.add_argument(
-        "--method", default="specache-1bit", help="a SpeCache method as scripts/bench.py names it"
+        "--method",
+        default="specache-1bit",
+        help="a SpeCache method as scripts/bench/bench.py names it",
     )
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per generation")
     parser.add_argument(
@@ -119,7 +121,7 @@ def main() -> None:
     print("\n".join(lines))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        command = "python scripts/bench_step_op.py " + " ".join(sys.argv[1:])
+        command = "python scripts/bench/bench_step_op.py " + " ".join(sys.argv[1:])
         (args.out / "step_op.md").write_text(f"`{command}`\n\n" + "\n".join(lines) + "\n")
         (args.out / "step_op.json").write_text(json.dumps(rows, indent=1))
 

@@ -1,14 +1,14 @@
 """Where a compiled decode step's time goes, by part, from torch.profiler.
 
-    python scripts/profile_step.py --checkpoint \
+    python scripts/bench/profile_step.py --checkpoint \
         checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/model_int8.pth \\
         --length 1024 --methods full-16bit specache-1bit specache-1bit:paper
 
-Per length and method: one random-token prompt of that many tokens prefilled (as scripts/bench.py
-does), the
-decode step compiled whole (or per block with --compile_per_block), warmed up, then --steps steps
-timed without the profiler (the median step) and again under it. The profiled time of each op,
-summed over the steps and divided by them, goes into a part:
+Per length and method: one random-token prompt of that many tokens prefilled (as
+scripts/bench/bench.py does), the decode step compiled whole (or per block with
+--compile_per_block), warmed up, then --steps steps timed without the profiler (the median step) and
+again under it. The profiled time of each op, summed over the steps and divided by them, goes into a
+part:
 
   weights        the quantized Linears' op (kernels/linear_cpu.c); float weights are fused into
                  inductor's kernels and count under "other compiled kernels"
@@ -38,11 +38,11 @@ from pathlib import Path
 import torch
 import torch._inductor.config as inductor_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from checkpoint import load_model, prepare_default_checkpoint  # noqa: E402
-from scripts.bench import prompt_of_length  # noqa: E402
-from scripts.bench_step_op import step_ms  # noqa: E402
-from scripts.harness import Runner, method_argument, write_report  # noqa: E402
+from scripts.bench.bench import prompt_of_length  # noqa: E402
+from scripts.bench.bench_step_op import step_ms  # noqa: E402
+from scripts.eval.harness import Runner, method_argument, write_report  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
 PARTS = [

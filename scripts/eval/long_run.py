@@ -1,21 +1,21 @@
 """Long generations: does a cache drift over a thousand tokens, and does memory stay flat?
 
-    python scripts/long_run.py drift                  # 2k-token essay prompt, 1000 new tokens, \
+    python scripts/eval/long_run.py drift             # 2k-token essay prompt, 1000 new tokens, \
         SpeCache 1-bit
-    python scripts/long_run.py drift --methods specache-1bit specache-2bit kivi-1bit --new_tokens \
-        400
-    python scripts/long_run.py memory                 # 10 generations in one process
+    python scripts/eval/long_run.py drift --methods specache-1bit specache-2bit kivi-1bit \
+        --new_tokens 400
+    python scripts/eval/long_run.py memory            # 10 generations in one process
 
 drift: the prompt is 2k tokens of Paul Graham essays (plain text, no chat template), continued
 greedily for --new_tokens tokens with no stop token, by the full cache and by each method (one
-shared prefill, scripts/harness.py). A free-running comparison says little after the first token
-where two caches differ, since their texts then part ways; so each method's own text is also run
-through the full-precision model in one pass, and per window of --window tokens the table gives how
-often the method's token is the one the full cache would have chosen after the same history
+shared prefill, scripts/eval/harness.py). A free-running comparison says little after the first
+token where two caches differ, since their texts then part ways; so each method's own text is also
+run through the full-precision model in one pass, and per window of --window tokens the table gives
+how often the method's token is the one the full cache would have chosen after the same history
 (teacher-forced agreement). A cache that drifts shows it as agreement that decays window after
 window. The full cache's own row is the floor that numerics set (cached decode against one long
-prefill). Also per window: distinct 4-grams of each text (a generation stuck in a loop falls
-toward 0) and the position where each method first leaves the full cache's text.
+prefill). Also per window: distinct 4-grams of each text (a generation stuck in a loop falls toward
+0) and the position where each method first leaves the full cache's text.
 
 memory: --runs generations of --new_tokens tokens in one process, each setting up its cache anew
 as the scripts do; after each: resident memory (VmRSS) and the cache's fast-tier bytes. Growth
@@ -31,12 +31,18 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from model import CAUSAL_PROMPT, Transformer  # noqa: E402
 
 # noqa: E402
-from scripts.harness import RESULTS_DIR, Runner, method_argument, runner_from_args, write_report
-from scripts.haystack import haystack_tokens  # noqa: E402
+from scripts.eval.harness import (
+    RESULTS_DIR,
+    Runner,
+    method_argument,
+    runner_from_args,
+    write_report,
+)
+from scripts.eval.haystack import haystack_tokens  # noqa: E402
 
 
 def full_cache_choices(model: Transformer, prompt: list[int], generated: list[int]) -> list[int]:

@@ -1,10 +1,11 @@
 """LongBench v1 on the 16 English and code tasks that the SpeCache paper family reports, every KV
 cache.
 
-    python scripts/longbench.py --tasks all --samples 5 --max_length 3500
-    python scripts/longbench.py --tasks hotpotqa trec lcc --methods full specache-1bit
-    python scripts/longbench.py --data_dir ~/LongBench/data   # jsonl files from data.zip, offline
-    python scripts/longbench.py ... --resume                  # the same command, stopped: go on
+    python scripts/eval/longbench.py --tasks all --samples 5 --max_length 3500
+    python scripts/eval/longbench.py --tasks hotpotqa trec lcc --methods full specache-1bit
+    python scripts/eval/longbench.py --data_dir ~/LongBench/data  # jsonl files from data.zip,
+                                                                  # offline
+    python scripts/eval/longbench.py ... --resume                 # the same command, stopped: go on
 
 Reproduces the official pipeline (github.com/THUDM/LongBench, files under LongBench/ at commit
 2e00731): the per-task prompt template (config/dataset2prompt.json) and generation length
@@ -21,8 +22,8 @@ Official runs use the model's own window (3500 for llama2-7b-chat-4k, 31500 for 
 
 Data: data.zip of the Hugging Face dataset --repo_id (downloaded once into the HF cache; it holds
 data/{task}.jsonl), or --data_dir with those jsonl files. Each prompt is prefilled once and decoded
-greedily by every method (scripts/harness.py). Writes {out}/longbench.md (score table: methods x
-tasks and their average) and {out}/longbench.json (every reply and score). While it runs,
+greedily by every method (scripts/eval/harness.py). Writes {out}/longbench.md (score table: methods
+x tasks and their average) and {out}/longbench.json (every reply and score). While it runs,
 {out}/longbench.partial.jsonl holds the samples done, for --resume.
 
 Differences from the official scripts: samsum is not stopped at the first newline during generation
@@ -46,8 +47,8 @@ from rapidfuzz import fuzz
 from rouge_score import rouge_scorer
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.harness import SweepLog, add_arguments, runner_from_args, write_report  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scripts.eval.harness import SweepLog, add_arguments, runner_from_args, write_report  # noqa: E402
 
 TASKS = (
     "narrativeqa",

