@@ -4,6 +4,7 @@ their checks, the cache they make, and the one-line summary of its statistics.""
 
 import argparse
 import os
+from dataclasses import fields
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -12,7 +13,7 @@ import torch
 from caches.by_name import KINDS, make_cache
 from checkpoint import UserError
 from model import Transformer
-from specache import Selection
+from specache import VARIANTS, Method, Selection
 
 EVICTION_CACHES = ("streaming", "h2o")
 
@@ -87,56 +88,20 @@ def add_cache_arguments(
         "exact "
         "pairs), half the bytes a step reads (default: the model's dtype)",
     )
-    g.add_argument(
-        "--specache_bits",
-        type=int,
-        default=1,
-        help="bits of the low-bit KV copy: 1 or 2 (default 1)",
-    )
-    g.add_argument(
-        "--specache_group",
-        type=int,
-        default=64,
-        help="g: tokens per key group, channels per value group (default 64)",
-    )
-    g.add_argument(
-        "--specache_residual",
-        type=int,
-        default=64,
-        help="R: newest tokens kept 16-bit, a multiple of g (default 64)",
-    )
-    g.add_argument(
-        "--specache_topk",
-        type=int,
-        default=64,
-        help="k: 16-bit pairs fetched per layer and KV head each step (default 64)",
-    )
-    g.add_argument(
-        "--specache_arithmetic",
-        choices=("float", "int8"),
-        default="float",
-        help="the low-bit pass's products: float, or int8 (ours: both operands rounded to 8-bit "
-        "integers per row, what CPUs with integer dot products run fastest, AVX512-VNNI; "
-        "docs/method.md says what it costs in accuracy). A selection's `int8` item does the same",
-    )
+    for setting in fields(Method):  # --specache_bits, _group, _residual, _topk, _arithmetic
+        if setting.metadata.get("command_line", True):
+            g.add_argument(
+                f"--specache_{setting.name}",
+                type=setting.type,
+                choices=setting.metadata.get("choices"),
+                default=setting.default,
+                help=f"{setting.metadata['help']} (default {setting.default})",
+            )
     g.add_argument(
         "--specache_select",
         default="default",
         metavar="SELECTION",
-        help="how the k pairs are chosen: 'paper' (the paper's rule: the speculative row's top-k, "
-        "mean "
-        "over query heads), 'default' (ours: "
-        + Selection().name()
-        + "), or a comma-separated list of "
-        "changes to the paper's rule: split[=share] (that share of k chosen by the real row within "
-        "the step, default 0.5), gqa-max, correct[=cosine] (re-choose a head's k when its query "
-        "moved, default 0.9), sinks[=n] (first n positions exact, default 4), lloyd (1-bit levels "
-        "at the group's half means), midway (1-bit key levels halfway between lloyd's and the "
-        "paper's, values lloyd's), lookup (prompt-lookup speculative token), reuse (count only "
-        "pairs not held already), shortlist[=n] (the real row reads its copy's top n x picks, "
-        "default 8, and keeps those its exact keys weigh most), oracle (diagnostics: exact top-k "
-        "from the slow tier); see "
-        "specache/ and docs/RESULTS.md",
+        help=selection_help(),
     )
     g.add_argument(
         "--specache_stats",
@@ -168,8 +133,8 @@ def add_cache_arguments(
         type=int,
         default=None,
         help="streaming/h2o: tokens kept per layer and KV head (default: as many as fit in the "
-        "fast-tier "
-        "bytes SpeCache would use with the --specache_* settings at this length; see caches/eviction.py)",
+        "fast-tier bytes SpeCache would use with the --specache_* settings at this length; see "
+        "caches/eviction.py)",
     )
     g.add_argument(
         "--sink_tokens",
@@ -186,6 +151,25 @@ def add_cache_arguments(
         f"{whole_prompt}): only one chunk's activations, and with SpeCache one chunk's 16-bit K "
         "and V, are in memory at a time; SpeCache's chunks read the history's exact pairs from the "
         "slow tier (KIVI: its low-bit copy); not for streaming/h2o",
+    )
+
+
+def selection_help() -> str:
+    """--specache_select's help, from the names and descriptions `Selection`'s fields declare."""
+    changes = []
+    for setting in fields(Selection):
+        name, *also = setting.metadata["names"]
+        number = VARIANTS[name][2]
+        value = f"[={number.__name__}]" if number else ""
+        default = f", default {setting.default}" if number else ""
+        named = " or ".join([name + value, *also])
+        changes.append(f"{named} ({setting.metadata['help']}{default})")
+    return (
+        "how the k pairs are chosen: 'paper' (the paper's rule: the speculative row's top-k, mean "
+        f"over query heads), 'default' (ours: {Selection().name()}), or a comma-separated list of "
+        f"changes to the paper's rule: {'; '.join(changes)}. Two more items: int8 (the same as "
+        "--specache_arithmetic int8) and oracle[=error|mass] (diagnostics: the real row's k from "
+        "its exact scores). See docs/method.md and docs/RESULTS.md"
     )
 
 

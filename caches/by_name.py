@@ -37,6 +37,7 @@ NAMED_METHODS = (
 )
 LOW_BIT_KINDS = ("specache", "specache-nospec", "kivi")
 ORACLES = ("error", "mass")
+DEFAULT = Method()  # the settings a caller leaves out
 
 
 def parse_method(method: str) -> tuple[str, Optional[int], Optional[str]]:
@@ -54,59 +55,61 @@ def parse_method(method: str) -> tuple[str, Optional[int], Optional[str]]:
             "KIVI methods take a selection after a colon (see --specache_select)"
         )
     if select:
-        split_oracle(split_arithmetic(select)[0])
+        parse_select(select)
     return kind, bits, select or None
 
 
-def split_arithmetic(select: str) -> tuple[str, Optional[str]]:
-    """A --specache_select value without its `int8` item (the low-bit pass in integers:
-    specache.Method.arithmetic), and "int8" where it named one, else None."""
+def parse_select(
+    select: str, fallback: str = "default"
+) -> tuple[Selection, Optional[str], Optional[str]]:
+    """A --specache_select value (or a method name's part after the colon): its selection
+    (`Selection.parse`; `fallback` where it names nothing but `int8`), the arithmetic an `int8`
+    item names (specache.Method.arithmetic) or None, and the oracle an `oracle[=error|mass]` item
+    names or None. The oracle (diagnostics, stats.py) chooses all k pairs within the step (split=1)
+    from the real row's exact scores."""
     items = [item.strip() for item in select.split(",") if item.strip()]
-    rest = [item for item in items if item != "int8"]
-    return ",".join(rest), "int8" if len(rest) < len(items) else None
-
-
-def split_oracle(select: str) -> tuple[Selection, Optional[str]]:
-    """A --specache_select value's selection, and the oracle it names ("error" or "mass") or None.
-    The oracle chooses all k pairs within the step (split=1) from the real row's exact scores."""
+    arithmetic = "int8" if "int8" in items else None
+    items = [item for item in items if item != "int8"] or [fallback]
     oracle, rest = None, []
-    for item in filter(None, (part.strip() for part in select.split(","))):
+    for item in items:
         name, _, value = item.partition("=")
-        if name == "oracle":
-            oracle = value or "error"
-            if oracle not in ORACLES:
-                raise ValueError(f"oracle must be error or mass, got {oracle!r}")
-        else:
+        if name != "oracle":
             rest.append(item)
+            continue
+        oracle = value or "error"
+        if oracle not in ORACLES:
+            raise ValueError(f"oracle must be error or mass, got {oracle!r}")
     selection = Selection.parse(",".join(rest))
-    return (selection, None) if oracle is None else (replace(selection, real_share=1.0), oracle)
+    if oracle is not None:
+        selection = replace(selection, real_share=1.0)
+    return selection, arithmetic, oracle
 
 
 def specache_config(
     kind: str,
     bits: Optional[int] = None,
     select: Optional[str] = None,
-    topk: int = 64,
-    group: int = 64,
-    residual: int = 64,
+    topk: int = DEFAULT.topk,
+    group: int = DEFAULT.group,
+    residual: int = DEFAULT.residual,
     pair_dtype: Optional[torch.dtype] = None,
     overlap_fetch: bool = True,
-    arithmetic: str = "float",
+    arithmetic: str = DEFAULT.arithmetic,
 ) -> tuple[SpeCacheConfig, Optional[str]]:
     """The SpeCacheConfig of a low-bit kind, and the oracle its selection names: SpeCache
     (speculative or not) with our selection unless `select` names another, or KIVI (nothing
     fetched) with the paper's levels unless it names others. An `int8` item in `select` sets the
     arithmetic (and alone leaves the selection at its default)."""
-    select, named_arithmetic = split_arithmetic(select or "")
+    fallback = "paper" if kind == "kivi" else "default"
+    selection, named_arithmetic, oracle = parse_select(select or "", fallback)
     method = Method(
-        bits=bits or 1,
+        bits=bits or DEFAULT.bits,
         group=group,
         residual=residual,
         topk=0 if kind == "kivi" else topk,
         speculative=kind == "specache",
         arithmetic=named_arithmetic or arithmetic,
     )
-    selection, oracle = split_oracle(select or ("paper" if kind == "kivi" else "default"))
     placement = Placement(pair_dtype=pair_dtype, overlap_fetch=overlap_fetch)
     return SpeCacheConfig(method, selection, placement), oracle
 
@@ -135,11 +138,11 @@ def make_cache(
     batch_size: int,
     capacity: int,
     *,
-    bits: int = 1,
+    bits: int = DEFAULT.bits,
     select: Optional[str] = None,
-    topk: int = 64,
+    topk: int = DEFAULT.topk,
     budget_tokens: Optional[int] = None,
-    budget_bits: int = 1,
+    budget_bits: int = DEFAULT.bits,
     sink_tokens: int = 4,
     use_flex: bool = False,
     stats: bool = False,

@@ -3,8 +3,8 @@ the paper's rule as `PAPER`), where the pairs live (`Placement`), and the fast t
 follows from them (`fast_tier_layout`, `fast_tier_plan`)."""
 
 import math
-from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -16,42 +16,79 @@ from specache.tiers import SlowTier, TierSpec
 ARITHMETICS = ("float", "int8")
 
 
+def setting(default: object, help: str, **more: object) -> Any:
+    """A field of `Method`: its default and what it does, from which the command line's
+    --specache_NAME is made (with `choices` where given; none where `command_line` is False)."""
+    return field(default=default, metadata={"help": help, **more})
+
+
 @dataclass(frozen=True)
 class Method:
-    """The paper's settings."""
+    """The paper's settings (and one of ours: the arithmetic)."""
 
-    bits: int = 1  # low-bit copy: 1 or 2 bits per element
-    group: int = 64  # g: tokens per key group (per channel), channels per value group (per token)
-    residual: int = 64  # R: the newest R tokens stay 16-bit; a multiple of g
-    topk: int = 64  # k: 16-bit pairs read per layer and KV head each step; 0 = KIVI alone
-    speculative: bool = True  # False: the paper's non-speculative baseline
-    # the low-bit pass's products: "float", or "int8" (ours: 8-bit integers, what CPUs with
-    # integer dot products run fastest; `lowbit_partial_attention_int8_reference`)
-    arithmetic: str = "float"
+    bits: int = setting(1, "bits of the low-bit KV copy: 1 or 2")
+    group: int = setting(64, "g: tokens per key group (per channel), channels per value group")
+    residual: int = setting(64, "R: the newest R tokens stay 16-bit; a multiple of g")
+    topk: int = setting(
+        64, "k: 16-bit pairs read per layer and KV head each step; 0: KIVI alone, nothing read"
+    )
+    speculative: bool = setting(
+        True, "False: the paper's non-speculative baseline", command_line=False
+    )
+    arithmetic: str = setting(
+        "float",
+        "the low-bit pass's products: float, or int8 (ours: both operands rounded to 8-bit "
+        "integers per row, what CPUs with integer dot products run fastest, AVX512-VNNI; "
+        "docs/method.md says what it costs in accuracy)",
+        choices=ARITHMETICS,
+    )
+
+
+def ours(default: object, name: str, help: str, *also: str) -> Any:
+    """A field of `Selection`: one of our changes to the paper's rule, turned on by `name` in
+    --specache_select (at `default`; "name=value" sets a value where the field is a number), or
+    by each of `also` (which sets the field to that name)."""
+    return field(default=default, metadata={"names": (name, *also), "help": help})
 
 
 @dataclass(frozen=True)
 class Selection:
     """How the exact pairs are chosen. Its defaults are ours; `PAPER` below is the paper's rule.
-    `parse` reads the names of the command line's --specache_select."""
+    `parse` reads the names of the command line's --specache_select, which each field declares."""
 
-    # split (ours): the share of the k pairs that the real row chooses within the step
-    real_share: float = 0.5
-    # gqa-max (ours): a KV head ranks positions by the max over its query heads ("mean": paper)
-    gqa: str = "max"
-    # correct (ours, FreeKV's): a KV head whose real query is less alike than this cosine to the
-    # query that chose its prefetch discards it, and the real row picks all k (None: never)
-    correct_below: Optional[float] = 0.9
-    sinks: int = 4  # sinks (ours): the first positions, always exact
-    # lloyd (ours): 1-bit levels from the data ("minmax": the paper's); midway (ours, an option):
-    # the same for values, and for keys halfway between Lloyd's levels and the paper's
-    levels: str = "lloyd"
-    guess: str = "lookup"  # lookup (ours): the speculative token ("greedy": the paper's)
-    reuse: bool = True  # reuse (ours): do not read again what the previous prefetch held
-    # shortlist (ours): the real row reads the pairs of its copy's top n x picks and keeps the
-    # picks their exact keys weigh most (0: the copy's top picks, read alone). It costs the slow
-    # tier n x the real row's reads; what it buys is in docs/method.md#the-shortlist-ours
-    shortlist: int = 8
+    real_share: float = ours(0.5, "split", "that share of k chosen by the real row within the step")
+    gqa: str = ours(
+        "max",
+        "gqa-max",
+        "a KV head ranks positions by the max over its query heads; the paper's: their mean",
+    )
+    # FreeKV's correction
+    correct_below: Optional[float] = ours(
+        0.9,
+        "correct",
+        "a KV head whose real query is less alike than this cosine to the query that chose its "
+        "prefetch discards it, and the real row picks all k",
+    )
+    sinks: int = ours(4, "sinks", "the first n positions, always exact")
+    levels: str = ours(
+        "lloyd",
+        "lloyd",
+        "1-bit levels from the data, at the group's half means; the paper's: min and max; "
+        "midway: key levels halfway between lloyd's and the paper's, values lloyd's",
+        "midway",
+    )
+    guess: str = ours(
+        "lookup", "lookup", "the speculative token by prompt lookup; the paper's: greedy"
+    )
+    reuse: bool = ours(True, "reuse", "do not read again what the previous prefetch held")
+    # what the shortlist buys is in docs/method.md#the-shortlist-ours
+    shortlist: int = ours(
+        8,
+        "shortlist",
+        "the real row reads the pairs of its copy's top n x picks and keeps those its exact keys "
+        "weigh most; 0: the copy's top picks, read alone; it costs the slow tier n x the real "
+        "row's reads",
+    )
 
     @classmethod
     def parse(cls, select: str) -> "Selection":
@@ -70,11 +107,11 @@ class Selection:
                     f"unknown --specache_select entry {name!r}: use paper, default or "
                     f"some of {', '.join(VARIANTS)}"
                 )
-            field, default, parser = VARIANTS[name]
+            field_name, default, parser = VARIANTS[name]
             if value and parser is None:
                 raise ValueError(f"--specache_select: {name} takes no value")
             try:
-                chosen = replace(chosen, **{field: parser(value) if value else default})
+                chosen = replace(chosen, **{field_name: parser(value) if value else default})
             except ValueError:
                 raise ValueError(
                     f"--specache_select: {name}={value} is not a valid {parser.__name__}"
@@ -84,9 +121,9 @@ class Selection:
     def name(self) -> str:
         """As --specache_select would name it."""
         names = []
-        for name, (field, default, parser) in VARIANTS.items():
-            value = getattr(self, field)
-            if value == getattr(PAPER, field):
+        for name, (field_name, default, parser) in VARIANTS.items():
+            value = getattr(self, field_name)
+            if value == getattr(PAPER, field_name):
                 continue
             if parser is not None:
                 names.append(f"{name}={value}")
@@ -105,18 +142,24 @@ PAPER = Selection(
     reuse=False,
     shortlist=0,
 )
-# name: (field, its value when the name comes without "=value", the value's type; None: no value)
-VARIANTS = {
-    "split": ("real_share", 0.5, float),
-    "gqa-max": ("gqa", "max", None),
-    "correct": ("correct_below", 0.9, float),
-    "sinks": ("sinks", 4, int),
-    "lloyd": ("levels", "lloyd", None),
-    "midway": ("levels", "midway", None),
-    "lookup": ("guess", "lookup", None),
-    "reuse": ("reuse", True, None),
-    "shortlist": ("shortlist", 8, int),
-}
+
+
+# the fields that "name=value" sets, by their type; the others take no value
+NUMBERS = {int: int, float: float, Optional[float]: float}
+
+
+def variants() -> dict[str, tuple[str, object, Optional[type]]]:
+    """--specache_select's names, as `Selection`'s fields declare them: name -> (field, its value
+    when the name comes without "=value", the value's type; None where it takes no value)."""
+    named = {}
+    for each in fields(Selection):
+        name, *also = each.metadata["names"]
+        named[name] = (each.name, each.default, NUMBERS.get(each.type))
+        named.update({other: (each.name, other, None) for other in also})
+    return named
+
+
+VARIANTS = variants()
 
 
 @dataclass(frozen=True)
@@ -128,7 +171,7 @@ class Placement:
     # prefetch as soon as it starts, which measures what the overlap buys
     overlap_fetch: bool = True
     # None: host RAM (pinned, beside a GPU); or a callable that makes each layer's slow tier
-    # from its TierSpec (this repository's disk_tier.py makes one on disk)
+    # from its TierSpec (the host's caches/disk_tier.py makes one on disk)
     slow_tier: Optional[Callable[[TierSpec], SlowTier]] = None
 
     def pair_dtype_for(self, model_dtype: torch.dtype) -> torch.dtype:

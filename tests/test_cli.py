@@ -413,3 +413,26 @@ def test_generate_sizes_the_cache_by_cache_capacity(
         args, torch.device("cpu"), torch.float32, lambda *a: None
     )
     assert seen == [len(prompts[0]) + 5 if expected == "needed" else expected]
+
+
+def test_specache_flags_are_the_settings_dataclasses():
+    """--specache_* and --specache_select are made from specache.Method's and Selection's fields
+    (specache/config.py): each setting's default and name is written once. A flag written by hand
+    with its own default, or a selection name the help leaves out, fails here."""
+    from dataclasses import fields
+
+    from specache import VARIANTS, Method, Selection
+
+    parser = generate_module.build_parser()
+    args = parser.parse_args([])
+    for setting in fields(Method):
+        if setting.name != "speculative":  # the cache's kind says that: specache-nospec
+            assert getattr(args, f"specache_{setting.name}") == setting.default, setting.name
+    assert Selection.parse(args.specache_select) == Selection()
+    help_text = " ".join(parser.format_help().split())
+    for name in VARIANTS:
+        assert name in help_text, name
+    for name, (field_name, _, number) in VARIANTS.items():
+        if number is not None:
+            assert f"{name}[={number.__name__}]" in help_text
+            assert Selection.parse(f"{name}=0").__dict__[field_name] == 0

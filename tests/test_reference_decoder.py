@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from caches.plugged import PluggedSpeCache
-from caches.by_name import split_oracle
+from caches.by_name import parse_select
 from conftest import tiny_model
 from generation import generate
 from reference_decoder import ReferenceDecoder
@@ -86,7 +86,7 @@ def run_implementation(model, config, prompts, max_seq_length, oracle=None):
 
 def config_of(select, bits, group, residual, topk, speculative, fp32_pairs=False):
     """A SpeCacheConfig and the oracle its selection names (as --specache_select reads them)."""
-    selection, oracle = split_oracle(select)
+    selection, _, oracle = parse_select(select)
     placement = Placement(pair_dtype=torch.float32 if fp32_pairs else None)
     return SpeCacheConfig(
         Method(bits, group, residual, topk, speculative), selection, placement
