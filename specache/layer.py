@@ -10,26 +10,12 @@ from torch import Tensor
 
 from specache.config import fast_tier_layout
 from specache.lowbit import LowBitKV, quantize_keys, quantize_values
-from specache.ops import (
-    LowBitPart,
-    Merged,
-    Segments,
-    query_rows,
-)
+from specache.ops import LowBitPart, Merged, Segments, query_rows
 from specache.prefill import attention_after_history, history_block
-from specache.select import (
-    exact_slots,
-    queries_disagree,
-)
+from specache.select import exact_slots, queries_disagree
 from specache.state import DECODE, PREFILL, SpeCacheState
 from specache.step import attend_and_choose, step_attention
-from specache.tiers import (
-    Kappa,
-    PrefetchSlots,
-    SlowTier,
-    TierSpec,
-    held_match,
-)
+from specache.tiers import Kappa, PrefetchSlots, SlowTier, TierSpec, held_match
 
 
 class Probe(Protocol):
@@ -64,6 +50,11 @@ class SpeCacheLayer(nn.Module):
     The exact pairs a step reads besides the window sit in one buffer of slots per KV head:
     [sinks | the speculative prefetch (k_spec) | the real row's picks (k_real)], k_spec + k_real =
     k. The buffers are `fast_tier_layout`'s.
+
+    Our changes to the paper's rule act where marked "(ours: NAME)", NAME as --specache_select
+    calls it; the paper's rule (`PAPER`) sets each to nothing: no sinks, no split (the prefetch
+    takes all k), no correction, no reuse. The others act elsewhere: the picks' shortlist in
+    select.py, gqa-max in ops.py's ranking, the levels in lowbit.py, the guess in guess.py.
     """
 
     def __init__(
@@ -84,11 +75,11 @@ class SpeCacheLayer(nn.Module):
         m, sel = c.method, c.selection
         self.state, self.config, self.index, self.probe = state, c, index, probe
         quantizable = max(0, t - state.residual) // m.group * m.group
-        self.n_sinks = min(sel.sinks, quantizable, state.max_slots)
+        self.n_sinks = min(sel.sinks, quantizable, state.max_slots)  # (ours: sinks)
         k = min(m.topk, quantizable, state.max_slots - self.n_sinks)
-        self.k_real = k if not m.speculative else int(k * sel.real_share + 0.5)
+        self.k_real = k if not m.speculative else int(k * sel.real_share + 0.5)  # (ours: split)
         self.k_spec = k - self.k_real
-        self.correcting = sel.correct_below is not None and self.k_spec > 0
+        self.correcting = sel.correct_below is not None and self.k_spec > 0  # (ours: correct)
         self.picks = k if self.correcting else self.k_real  # a head that discards its prefetch
         slots = self.n_sinks + k
         self.spec_slots = slice(self.n_sinks, self.n_sinks + self.k_spec)
@@ -132,7 +123,7 @@ class SpeCacheLayer(nn.Module):
         self.kappa_valid[rows] = False
         for count in (self.pairs_read, self.heads_discarded, self.heads_checked):
             count[rows] = 0
-        if self.correcting:
+        if self.correcting:  # (ours: correct)
             self.last_query[rows] = 0
 
     # --- the low-bit copy and the window -------------------------------------------------------
@@ -155,7 +146,7 @@ class SpeCacheLayer(nn.Module):
         self.v_packed[b, :, start : start + n] = packed
         self.v_scale[b, :, start : start + n] = scale
         self.v_zero[b, :, start : start + n] = zero
-        sinks = max(0, min(self.n_sinks, start + n) - start)
+        sinks = max(0, min(self.n_sinks, start + n) - start)  # (ours: sinks)
         self.fetched_k[b, :, start : start + sinks] = k[:, :sinks].to(self.fetched_k.dtype)
         self.fetched_v[b, :, start : start + sinks] = v[:, :sinks].to(self.fetched_v.dtype)
 
@@ -191,6 +182,7 @@ class SpeCacheLayer(nn.Module):
         for first in range(0, start, block):
             k, v = self.tier.read_range(first, min(start, first + block), rows)
             # whole groups: block is a multiple of g
+            # (ours: sinks) exact, from the tier, even where KIVI reads the copy
             low, sinks = min(lq, first + block) - first, max(0, self.n_sinks - first)
             if low > sinks:
                 low_k, low_v = self.lowbit().dequantized(first, first + low)
@@ -242,12 +234,12 @@ class SpeCacheLayer(nn.Module):
         next prefetch; with `keep`, the real row's K, V join the window and the slow tier."""
         b, n_heads, s, d = q.shape
         rows = query_rows(q, k.shape[1])
-        discard = self.prefetch_missed(q) if self.correcting and keep else None
+        discard = self.prefetch_missed(q) if self.correcting and keep else None  # (ours: correct)
         if self.tier.gathered_in_step and self.probe is None:
             out, kappa = self.step_in_ram(rows, k, v, discard)
         else:
             out, kappa = self.step_in_parts(rows, k, v, keep, discard)
-        if self.correcting:
+        if self.correcting:  # (ours: correct)
             self.state.write_moved(self.last_query, q[:, :, -1])
         new_k = new_v = None
         if keep:
@@ -357,7 +349,7 @@ class SpeCacheLayer(nn.Module):
         quantized by the next step and not sinks. Counted as read: with reuse, only those the
         previous prefetch did not hold."""
         new = kappa_valid
-        if self.config.selection.reuse:
+        if self.config.selection.reuse:  # (ours: reuse)
             new = new & ~held_match(kappa_pos, kappa_valid, self.kappa_pos, self.kappa_valid)[0]
         self.pairs_read += new.sum((1, 2)) * self.state.stepping
         self.state.write_moved(self.kappa_pos, kappa_pos)
