@@ -42,6 +42,9 @@ typedef struct {
     int32_t threads;
 } Problem;
 
+/* sizeof(Problem): the struct's Python (ctypes) and C++ copies are held to it when they load */
+int64_t problem_bytes(void) { return (int64_t)sizeof(Problem); }
+
 /* score[m][i] = q[m] . key(c0 + i) * scale, for n positions and `rows` rows */
 
 INLINE void score(const Problem *p, const float *q, const void *keys, int64_t c0, int64_t n, int64_t rows,

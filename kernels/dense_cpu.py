@@ -109,7 +109,7 @@ def _library() -> Optional[ctypes.CDLL]:
     if lib is None:
         return None
     # C++ dispatch where it builds
-    host_ops.hand_over("dense_decode_attention", lib.dense_decode_attention)
+    host_ops.hand_over("dense_decode_attention", lib)
     return lib
 
 

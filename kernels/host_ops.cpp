@@ -127,15 +127,15 @@ at::Tensor dense_decode_attention(const at::Tensor &q_in, const at::Tensor &k_in
   return out;
 }
 
-// The op `name`'s C kernel is at `address`: keep it and register the C++ implementation for CPU
-// tensors.
-void set_cpu_kernel(const std::string &name, int64_t address) {
+// The op `name`'s C kernel is at `address`, and its Problem struct is `problem_bytes` long: keep
+// it and register the C++ implementation for CPU tensors.
+void set_cpu_kernel(const std::string &name, int64_t address, int64_t problem_bytes) {
   TORCH_CHECK(address != 0, "set_cpu_kernel: a null address");
   const char *op = name.c_str();
   if (name == "quantized_linear")
-    hand_over("gptfast", linear_kernel, address, op, &quantized_linear);
+    hand_over("gptfast", linear_kernel, address, op, &quantized_linear, problem_bytes);
   else if (name == "dense_decode_attention")
-    hand_over("gptfast", dense_kernel, address, op, &dense_decode_attention);
+    hand_over("gptfast", dense_kernel, address, op, &dense_decode_attention, problem_bytes);
   else
     TORCH_CHECK(false, "set_cpu_kernel: no C++ implementation of ", name);
 }
@@ -144,5 +144,6 @@ void set_cpu_kernel(const std::string &name, int64_t address) {
 }  // namespace gptfast_cpu
 
 TORCH_LIBRARY_FRAGMENT(gptfast, m) {
-  m.def("set_cpu_kernel(str name, int address) -> ()", &gptfast_cpu::set_cpu_kernel);
+  m.def("set_cpu_kernel(str name, int address, int problem_bytes) -> ()",
+        &gptfast_cpu::set_cpu_kernel);
 }

@@ -34,10 +34,11 @@ def loaded() -> bool:
     )
 
 
-def hand_over(op: str, function: ctypes._CFuncPtr) -> bool:
+def hand_over(op: str, lib: ctypes.CDLL) -> bool:
     """Register the C++ implementation of `op` (quantized_linear or dense_decode_attention) around
-    the C kernel `function`; False where it cannot be built (the Python implementation serves)."""
+    the C kernel of that name in `lib` (a loaded build); False where it cannot be built (the Python
+    implementation serves)."""
     if not loaded():
         return False
-    torch.ops.gptfast.set_cpu_kernel(op, ctypes.cast(function, ctypes.c_void_p).value)
+    torch.ops.gptfast.set_cpu_kernel(op, cpu_ops.address(lib, op), lib.problem_bytes())
     return True

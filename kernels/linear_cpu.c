@@ -37,6 +37,9 @@ typedef struct {
     int32_t threads;
 } Problem;
 
+/* sizeof(Problem): the struct's Python (ctypes) and C++ copies are held to it when they load */
+int64_t problem_bytes(void) { return (int64_t)sizeof(Problem); }
+
 /* --- plain C: any shape ------------------------------------------------------------------------ */
 
 __attribute__((unused)) static void int8_plain(const Problem *p, const float *x, int64_t rows, int64_t n0, int64_t n1) {

@@ -112,7 +112,7 @@ def _library() -> Optional[ctypes.CDLL]:
     )
     if lib is None:
         return None
-    host_ops.hand_over("quantized_linear", lib.quantized_linear)  # C++ dispatch where it builds
+    host_ops.hand_over("quantized_linear", lib)  # C++ dispatch where it builds
     return lib
 
 

@@ -137,14 +137,10 @@ def test_without_gpp_the_python_dispatch_serves_with_one_warning(monkeypatch):
     host_ops.loaded.cache_clear()
     try:
         with pytest.warns(UserWarning, match="Python serves"):
-            assert not host_ops.hand_over(
-                "quantized_linear", linear_cpu._library().quantized_linear
-            )
+            assert not host_ops.hand_over("quantized_linear", linear_cpu._library())
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # only one warning
-            assert not host_ops.hand_over(
-                "quantized_linear", linear_cpu._library().quantized_linear
-            )
+            assert not host_ops.hand_over("quantized_linear", linear_cpu._library())
     finally:
         host_ops.loaded.cache_clear()
 

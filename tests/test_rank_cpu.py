@@ -8,6 +8,7 @@ over the dequantized copy (an independent reference), and the whole selection th
 layer against the reference decoder.
 """
 
+import ctypes
 import platform
 import shutil
 
@@ -240,3 +241,23 @@ def test_bad_inputs_raise_value_error(native, corrupt):
         row = 2
     with pytest.raises(ValueError, match="top_positions"):
         both(native, inputs, upper=upper, row=row)
+
+
+def test_a_copy_of_the_problem_struct_that_disagrees_is_refused(native):
+    """The C struct is copied in ctypes (rank_cpu._Problem) and in C++ (cpu_ops.h's RankProblem),
+    and a copy that lost or gained a field would have the kernel read past it: each is held to the
+    C library's problem_bytes() when it loads, the ctypes copy by cpu_build.load and the C++ copy
+    by specache::set_cpu_kernel."""
+    from specache.kernels import cpu_ops
+
+    class Longer(ctypes.Structure):
+        _fields_ = rank_cpu._Problem._fields_ + [("extra", ctypes.c_int64)]
+
+    with pytest.raises(RuntimeError, match="must agree field for field"):
+        cpu_build.load(rank_cpu.build(), "top_positions", Longer)
+    if not cpu_ops.loaded():
+        pytest.skip("the C++ dispatch is not built here")
+    address = cpu_ops.address(native, "top_positions")
+    with pytest.raises(RuntimeError, match="must agree field for field"):
+        torch.ops.specache.set_cpu_kernel("top_positions", address, native.problem_bytes() + 8)
+    torch.ops.specache.set_cpu_kernel("top_positions", address, native.problem_bytes())

@@ -91,8 +91,15 @@ def build(
 
 def load(path: Path, function: str, problem: type[ctypes.Structure]) -> ctypes.CDLL:
     """Load a C kernel's library; its `function` takes a pointer to its Problem struct and returns 0
-    on success."""
+    on success. `problem`, the struct's ctypes copy, must have the C struct's size (the library's
+    `problem_bytes()`): a copy that lost or gained a field would have the kernel read past it."""
     lib = ctypes.CDLL(str(path))
+    lib.problem_bytes.restype = ctypes.c_int64
+    if lib.problem_bytes() != ctypes.sizeof(problem):
+        raise RuntimeError(
+            f"{path.name}: its Problem struct is {lib.problem_bytes()} bytes, the ctypes copy "
+            f"{problem.__name__} {ctypes.sizeof(problem)}; they must agree field for field"
+        )
     kernel = getattr(lib, function)
     kernel.argtypes = [ctypes.POINTER(problem)]
     kernel.restype = ctypes.c_int

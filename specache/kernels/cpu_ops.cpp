@@ -280,19 +280,21 @@ std::tuple<at::Tensor, at::Tensor> top_positions(
   return {indices, valid};
 }
 
-// The op `name`'s C kernel is at `address`: keep it and register the C++ implementation for CPU
-// tensors.
-void set_cpu_kernel(const std::string &name, int64_t address) {
+// The op `name`'s C kernel is at `address`, and its Problem struct is `problem_bytes` long: keep
+// it and register the C++ implementation for CPU tensors.
+void set_cpu_kernel(const std::string &name, int64_t address, int64_t problem_bytes) {
   TORCH_CHECK(address != 0, "set_cpu_kernel: a null address");
   const char *op = name.c_str();
   if (name == "merge_segments")
-    hand_over("specache", merge_kernel, address, op, &merge_segments);
+    hand_over("specache", merge_kernel, address, op, &merge_segments, problem_bytes);
   else if (name == "top_positions")
-    hand_over("specache", rank_kernel, address, op, &top_positions);
+    hand_over("specache", rank_kernel, address, op, &top_positions, problem_bytes);
   else if (name == "lowbit_partial_attention")
-    hand_over("specache", lowbit_kernel, address, op, &lowbit_partial_attention<false>);
+    hand_over("specache", lowbit_kernel, address, op, &lowbit_partial_attention<false>,
+              problem_bytes);
   else if (name == "lowbit_partial_attention_int8")
-    hand_over("specache", lowbit_int8_kernel, address, op, &lowbit_partial_attention<true>);
+    hand_over("specache", lowbit_int8_kernel, address, op, &lowbit_partial_attention<true>,
+              problem_bytes);
   else
     TORCH_CHECK(false, "set_cpu_kernel: no C++ implementation of ", name);
 }
@@ -301,6 +303,7 @@ void set_cpu_kernel(const std::string &name, int64_t address) {
 }  // namespace specache_cpu
 
 TORCH_LIBRARY_FRAGMENT(specache, m) {
-  m.def("set_cpu_kernel(str name, int address) -> ()", &specache_cpu::set_cpu_kernel);
+  m.def("set_cpu_kernel(str name, int address, int problem_bytes) -> ()",
+        &specache_cpu::set_cpu_kernel);
   m.def("enable_step_attention() -> bool", &specache_cpu::enable_step_attention);
 }

@@ -91,10 +91,21 @@ void register_cpu(const char *ns, const char *op, Impl impl) {
   libraries.back()->impl(op, impl);
 }
 
+// The size of the struct a C kernel of this type takes.
+template <typename Problem>
+constexpr int64_t problem_size(int (*)(const Problem *)) {
+  return static_cast<int64_t>(sizeof(Problem));
+}
+
 // Keeps a C kernel's address in `slot`; the first time, registers the C++ implementation `impl` of
-// the op `ns`::`op`.
+// the op `ns`::`op`. `problem_bytes`: the C struct's size (its problem_bytes()), which the C++ copy
+// the kernel is called with must have.
 template <typename Kernel, typename Impl>
-void hand_over(const char *ns, Kernel &slot, int64_t address, const char *op, Impl impl) {
+void hand_over(const char *ns, Kernel &slot, int64_t address, const char *op, Impl impl,
+               int64_t problem_bytes) {
+  TORCH_CHECK(problem_bytes == problem_size(slot), op, ": the C kernel's Problem struct is ",
+              problem_bytes, " bytes, the C++ copy ", problem_size(slot),
+              "; they must agree field for field");
   const bool first = slot == nullptr;
   slot = reinterpret_cast<Kernel>(address);
   if (first) register_cpu(ns, op, impl);  // else registered already; the new address serves

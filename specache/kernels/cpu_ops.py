@@ -81,9 +81,9 @@ def loaded() -> bool:
 _PLAIN = torch.library.Library("specache_plain", "FRAGMENT")
 
 
-def hand_over(op: str, function: ctypes._CFuncPtr, fallback: Optional[Callable] = None) -> bool:
+def hand_over(op: str, lib: ctypes.CDLL, fallback: Optional[Callable] = None) -> bool:
     """Register the C++ implementation of `op` (merge_segments, lowbit_partial_attention, its
-    _int8 twin, or top_positions) around the C kernel `function`;
+    _int8 twin, or top_positions) around the C kernel of that name in `lib` (a loaded build);
     False where it cannot be built (the Python implementation serves). `fallback`: the op's
     plain-PyTorch definition, which the C++ implementation calls, as the op specache_plain::`op`,
     for shapes the C kernel does not take."""
@@ -91,8 +91,13 @@ def hand_over(op: str, function: ctypes._CFuncPtr, fallback: Optional[Callable] 
         return False
     if fallback is not None:
         _define_plain(op, fallback)
-    torch.ops.specache.set_cpu_kernel(op, ctypes.cast(function, ctypes.c_void_p).value)
+    torch.ops.specache.set_cpu_kernel(op, address(lib, op), lib.problem_bytes())
     return True
+
+
+def address(lib: ctypes.CDLL, function: str) -> int:
+    """Where `lib`'s C function `function` is."""
+    return ctypes.cast(getattr(lib, function), ctypes.c_void_p).value
 
 
 def fuse_step(reference: Callable) -> bool:

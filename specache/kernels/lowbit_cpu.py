@@ -241,7 +241,7 @@ def register_build(source: Path, function: str, reference: Callable, unavailable
     lib = cpu_build.build_and_load(source, function, _Problem, unavailable)
     if lib is None:
         return False
-    if not cpu_ops.hand_over(function, getattr(lib, function), reference):
+    if not cpu_ops.hand_over(function, lib, reference):
         torch.library.register_kernel(
             f"specache::{function}", "cpu", partial(_serve, lib, function, reference)
         )

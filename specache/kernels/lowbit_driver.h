@@ -38,6 +38,9 @@ typedef struct {
     int32_t bits, group, value_groups, bf16, threads;
 } Problem;
 
+/* sizeof(Problem): the struct's Python (ctypes) and C++ copies are held to it when they load */
+int64_t problem_bytes(void) { return (int64_t)sizeof(Problem); }
+
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 static inline float scale_to_float(uint16_t h, int bf16) {

@@ -34,6 +34,9 @@ typedef struct {
     int32_t dtype[SEGMENTS], threads;
 } MergeProblem;
 
+/* sizeof(Problem): the struct's Python (ctypes) and C++ copies are held to it when they load */
+int64_t problem_bytes(void) { return (int64_t)sizeof(MergeProblem); }
+
 /* score[m][j] = rows[m] . key_j for the n keys at `keys` (`step` elements apart), m < rows */
 INLINE void segment_scores(const float *q, const void *keys, int64_t step, int32_t dtype, int64_t n, int64_t rows,
                            float *score, int64_t score_stride, const int64_t d) {

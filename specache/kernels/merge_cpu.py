@@ -179,6 +179,6 @@ def register() -> bool:
     lib = cpu_build.build_and_load(SOURCE, "merge_segments", _MergeProblem, unavailable)
     if lib is None:
         return False
-    if not cpu_ops.hand_over("merge_segments", lib.merge_segments, merge_segments_reference):
+    if not cpu_ops.hand_over("merge_segments", lib, merge_segments_reference):
         torch.library.register_kernel("specache::merge_segments", "cpu", partial(_serve_merge, lib))
     return True

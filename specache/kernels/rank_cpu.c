@@ -41,6 +41,9 @@ typedef struct {
     int32_t s, row, max_over_heads, threads;
 } Problem;
 
+/* sizeof(Problem): the struct's Python (ctypes) and C++ copies are held to it when they load */
+int64_t problem_bytes(void) { return (int64_t)sizeof(Problem); }
+
 typedef struct {
     float value;
     int64_t pos;

@@ -198,6 +198,6 @@ def register() -> bool:
     )
     if lib is None:
         return False
-    if not cpu_ops.hand_over("top_positions", lib.top_positions):
+    if not cpu_ops.hand_over("top_positions", lib):
         torch.library.register_kernel("specache::top_positions", "cpu", partial(run_kernel, lib))
     return True
