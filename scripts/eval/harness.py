@@ -34,7 +34,12 @@ import torch.nn as nn
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from caches.by_name import LOW_BIT_KINDS, equal_budget_tokens, make_cache, parse_method  # noqa: E402
+from caches.by_name import (  # noqa: E402
+    LOW_BIT_KINDS,
+    equal_budget_tokens,
+    make_cache,
+    parse_method,
+)
 from caches.full import flex_attention_available  # noqa: E402
 from checkpoint import load_model, resolve_checkpoint  # noqa: E402
 from caches.eviction import prompt_attention_mass  # noqa: E402

@@ -48,7 +48,12 @@ from rouge_score import rouge_scorer
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scripts.eval.harness import SweepLog, add_arguments, runner_from_args, write_report  # noqa: E402
+from scripts.eval.harness import (  # noqa: E402
+    SweepLog,
+    add_arguments,
+    runner_from_args,
+    write_report,
+)
 
 TASKS = (
     "narrativeqa",
