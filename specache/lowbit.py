@@ -1,7 +1,7 @@
 """The low-bit copy: KIVI's quantizer at 1 or 2 bits, its bit packing, and one layer's copy
 (`LowBitKV`)."""
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -140,6 +140,9 @@ class LowBitKV(NamedTuple):
     v_zero: Tensor
     bits: int
     group: int
+    # (B, Hkv, T/group, D): each key group's mean value, kept for the sparse pass alone
+    # (specache/sparse.py)
+    v_mean: Optional[Tensor] = None
 
     def dequantized(self, first: int, last: int) -> tuple[Tensor, Tensor]:
         """fp32 keys and values (B, Hkv, last - first, D) of positions [first, last), whole

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from specache.integer import int8_scores, int8_value_mix
 from specache.lowbit import LowBitKV, dequantize_keys, dequantize_values
+from specache.sparse import kept_positions, sparse_value_mix
 
 # Each is defined in plain PyTorch and registered as a torch.library op, which torch.compile
 # keeps as one opaque call and which faster kernels can take over per device (specache/kernels
@@ -53,6 +54,17 @@ class LowBitPart(NamedTuple):
     row_max: Tensor  # (B, Hkv, M)
     row_sum: Tensor  # (B, Hkv, M)
     out: Tensor  # (B, Hkv, M, D), unnormalized
+
+
+class SparsePart(NamedTuple):
+    """`LowBitPart` of the sparse pass (`lowbit_partial_attention_sparse`), and which positions
+    it mixed value by value."""
+
+    weights: Tensor
+    row_max: Tensor
+    row_sum: Tensor
+    out: Tensor
+    kept: Tensor  # (B, Hkv, T) bool: mixed by its own value, not its key group's mean
 
 
 class Merged(NamedTuple):
@@ -144,6 +156,33 @@ def lowbit_partial_attention_int8_reference(
     weights, row_max = lowbit_softmax(scores, visible_len, excluded_pos, excluded_valid)
     out = int8_value_mix(weights, v_packed, v_scale, v_zero, bits)
     return LowBitPart(weights, row_max, weights.sum(-1), out)
+
+
+def lowbit_partial_attention_sparse_reference(
+    rows: Tensor,
+    k_packed: Tensor,
+    k_scale: Tensor,
+    k_zero: Tensor,
+    v_packed: Tensor,
+    v_scale: Tensor,
+    v_zero: Tensor,
+    v_mean: Tensor,
+    bits: int,
+    group: int,
+    min_weight: float,
+    visible_len: Tensor,
+    excluded_pos: Tensor,
+    excluded_valid: Tensor,
+) -> SparsePart:
+    """The sparse pass (ours, specache/sparse.py): the integer pass's scores and softmax, then
+    the values of the positions some row weighs at least `min_weight` (`kept_positions`), and
+    the rest of each key group's weight times its mean value `v_mean` (B, Hkv, ceil(T/group), D)
+    (`sparse_value_mix`). row_sum counts every weight."""
+    scores = int8_scores(rows, k_packed, k_scale, k_zero, bits, group)
+    weights, row_max = lowbit_softmax(scores, visible_len, excluded_pos, excluded_valid)
+    kept = kept_positions(weights, min_weight)
+    out = sparse_value_mix(weights, kept, v_packed, v_scale, v_zero, v_mean, bits, group)
+    return SparsePart(weights, row_max, weights.sum(-1), out, kept)
 
 
 def merge_segments_reference(
@@ -302,6 +341,12 @@ def lowbit_part_shapes(a: SimpleNamespace) -> LowBitPart:
     return LowBitPart(new(b, h, m, t), new(b, h, m), new(b, h, m), new(b, h, m, d))
 
 
+def sparse_part_shapes(a: SimpleNamespace) -> SparsePart:
+    b, h, _, t = a.k_packed.shape
+    kept = a.rows.new_empty(b, h, t, dtype=torch.bool)
+    return SparsePart(*lowbit_part_shapes(a), kept)
+
+
 def merged_shapes(a: SimpleNamespace) -> Merged:
     b, h, m, _ = a.rows.shape
     probs = (a.rows.new_empty(b, h, m, x.shape[2]) for x in (a.fetched_k, a.window_k, a.new_k))
@@ -318,6 +363,7 @@ def top_shapes(a: SimpleNamespace) -> Top:
 
 declare(lowbit_partial_attention_reference, lowbit_part_shapes)
 declare(lowbit_partial_attention_int8_reference, lowbit_part_shapes)
+declare(lowbit_partial_attention_sparse_reference, sparse_part_shapes)
 declare(merge_segments_reference, merged_shapes)
 declare(top_positions_reference, top_shapes)
 
@@ -330,11 +376,13 @@ def query_rows(q: Tensor, n_kv_heads: int) -> Tensor:
 
 
 def lowbit_partial_attention(
-    rows: Tensor, kv: LowBitKV, seg: Segments, arithmetic: str = "float"
+    rows: Tensor, kv: LowBitKV, seg: Segments, arithmetic: str = "float", min_weight: float = 0.0
 ) -> LowBitPart:
     """The low-bit segment of `seg`: positions [0, Lq) but the exact ones in valid slots
-    (`specache::lowbit_partial_attention`, or its `_int8` twin). A copy of no positions (a
-    capacity too short to quantize anything) contributes nothing."""
+    (`specache::lowbit_partial_attention`, or its `_int8` or `_sparse` twin: the sparse pass
+    mixes by their key group's mean value the positions no row weighs `min_weight`, and needs
+    kv.v_mean). A copy of no positions (a capacity too short to quantize anything) contributes
+    nothing."""
     if kv.k_packed.shape[2] == 0:
         b, h, m, d = rows.shape
         return LowBitPart(
@@ -343,14 +391,18 @@ def lowbit_partial_attention(
             rows.new_zeros(b, h, m),
             rows.new_zeros(b, h, m, d),
         )
+    visible = (seg.quantized_len, seg.fetched_pos, seg.fetched_valid)
+    if arithmetic == "sparse":
+        sparse = torch.ops.specache.lowbit_partial_attention_sparse
+        return LowBitPart(
+            *sparse(rows, *kv[:6], kv.v_mean, kv.bits, kv.group, min_weight, *visible)[:4]
+        )
     op = (
         torch.ops.specache.lowbit_partial_attention_int8
         if arithmetic == "int8"
         else torch.ops.specache.lowbit_partial_attention
     )
-    return LowBitPart(
-        *op(rows, *kv[:6], kv.bits, kv.group, seg.quantized_len, seg.fetched_pos, seg.fetched_valid)
-    )
+    return LowBitPart(*op(rows, *kv[:6], kv.bits, kv.group, *visible))
 
 
 def merge_segments(rows: Tensor, part: LowBitPart, seg: Segments) -> Merged:

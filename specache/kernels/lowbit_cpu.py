@@ -226,7 +226,7 @@ def _serve(lib: ctypes.CDLL, function: str, reference: Callable, *inputs) -> Out
     otherwise."""
     a = arguments(reference, inputs)
     if takes(a.rows, a.bits, a.group) and a.k_packed.shape[2] > 0:
-        kv = LowBitKV(**{field: getattr(a, field) for field in LowBitKV._fields})
+        kv = LowBitKV(**{field: getattr(a, field, None) for field in LowBitKV._fields})
         excluded = (a.excluded_pos, a.excluded_valid)
         return run_kernel(lib, a.rows, kv, a.visible_len, *excluded, function)
     return reference(*inputs)
