@@ -88,7 +88,7 @@ def add_cache_arguments(
         "exact "
         "pairs), half the bytes a step reads (default: the model's dtype)",
     )
-    for setting in fields(Method):  # --specache_bits, _group, _residual, _topk, _arithmetic
+    for setting in fields(Method):  # --specache_bits, _group, _residual, _topk, _arithmetic, _tau
         if setting.metadata.get("command_line", True):
             g.add_argument(
                 f"--specache_{setting.name}",
@@ -167,9 +167,10 @@ def selection_help() -> str:
     return (
         "how the k pairs are chosen: 'paper' (the paper's rule: the speculative row's top-k, mean "
         f"over query heads), 'default' (ours: {Selection().name()}), or a comma-separated list of "
-        f"changes to the paper's rule: {'; '.join(changes)}. Two more items: int8 (the same as "
-        "--specache_arithmetic int8) and oracle[=error|mass] (diagnostics: the real row's k from "
-        "its exact scores). See docs/method.md and docs/RESULTS.md"
+        f"changes to the paper's rule: {'; '.join(changes)}. Three more items: int8 (the same as "
+        "--specache_arithmetic int8), sparse[=TAU] (--specache_arithmetic sparse, at "
+        "--specache_tau TAU) and oracle[=error|mass] (diagnostics: the real row's k from its "
+        "exact scores). See docs/method.md and docs/RESULTS.md"
     )
 
 
@@ -233,6 +234,7 @@ def cache_from_args(
             group=args.specache_group,
             residual=args.specache_residual,
             arithmetic=args.specache_arithmetic,
+            tau=args.specache_tau,
             stats=args.specache_stats,
             budget_tokens=args.budget_tokens,
             budget_bits=args.specache_bits,
@@ -290,6 +292,8 @@ def cache_summary(stats: dict) -> str:
     line += f"; selection: {stats['select']}"
     if stats.get("arithmetic", "float") != "float":
         line += f", {stats['arithmetic']} low-bit pass"
+    if "tau" in stats:
+        line += f" (tau {stats['tau']:g})"
     if stats.get("speculative_match_rate") is not None:
         line += f", speculative token right {100 * stats['speculative_match_rate']:.0f}% of steps"
     if stats.get("prefetch_discarded_share") is not None:
@@ -305,4 +309,10 @@ def cache_summary(stats: dict) -> str:
             f"{100 * d['recall_own_lowbit']:.0f}%, of its exact top-k "
             f"{100 * d['recall_exact']:.0f}%"
         )
+        if "sparse_kept" in d:
+            line += (
+                f"; the sparse pass mixed {100 * d['sparse_kept']:.1f}% of positions by their own "
+                f"value and gave {100 * d['sparse_skipped_mass']:.3f}% of the real token's "
+                "attention to key groups' mean values"
+            )
     return line

@@ -61,28 +61,39 @@ def parse_method(method: str) -> tuple[str, Optional[int], Optional[str]]:
 
 def parse_select(
     select: str, fallback: str = "default"
-) -> tuple[Selection, Optional[str], Optional[str]]:
+) -> tuple[Selection, Optional[str], Optional[float], Optional[str]]:
     """A --specache_select value (or a method name's part after the colon): its selection
-    (`Selection.parse`; `fallback` where it names nothing but `int8`), the arithmetic an `int8`
-    item names (specache.Method.arithmetic) or None, and the oracle an `oracle[=error|mass]` item
-    names or None. The oracle (diagnostics, stats.py) chooses all k pairs within the step (split=1)
-    from the real row's exact scores."""
+    (`Selection.parse`; `fallback` where it names nothing but the arithmetic), the arithmetic an
+    `int8` or `sparse[=TAU]` item names (specache.Method.arithmetic) or None, the tau a
+    `sparse=TAU` item names or None, and the oracle an `oracle[=error|mass]` item names or None.
+    The oracle (diagnostics, stats.py) chooses all k pairs within the step (split=1) from the
+    real row's exact scores."""
     items = [item.strip() for item in select.split(",") if item.strip()]
-    arithmetic = "int8" if "int8" in items else None
-    items = [item for item in items if item != "int8"] or [fallback]
-    oracle, rest = None, []
+    arithmetic, tau, oracle, rest = None, None, None, []
     for item in items:
         name, _, value = item.partition("=")
-        if name != "oracle":
+        if name in ("int8", "sparse"):
+            if value and name == "int8":
+                raise ValueError("--specache_select: int8 takes no value")
+            arithmetic = name
+            tau = parse_tau(value) if value else tau
+        elif name == "oracle":
+            oracle = value or "error"
+            if oracle not in ORACLES:
+                raise ValueError(f"oracle must be error or mass, got {oracle!r}")
+        else:
             rest.append(item)
-            continue
-        oracle = value or "error"
-        if oracle not in ORACLES:
-            raise ValueError(f"oracle must be error or mass, got {oracle!r}")
-    selection = Selection.parse(",".join(rest))
+    selection = Selection.parse(",".join(rest or [fallback]))
     if oracle is not None:
         selection = replace(selection, real_share=1.0)
-    return selection, arithmetic, oracle
+    return selection, arithmetic, tau, oracle
+
+
+def parse_tau(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"--specache_select: sparse={value}: tau must be a number") from None
 
 
 def specache_config(
@@ -95,13 +106,14 @@ def specache_config(
     pair_dtype: Optional[torch.dtype] = None,
     overlap_fetch: bool = True,
     arithmetic: str = DEFAULT.arithmetic,
+    tau: float = DEFAULT.tau,
 ) -> tuple[SpeCacheConfig, Optional[str]]:
     """The SpeCacheConfig of a low-bit kind, and the oracle its selection names: SpeCache
     (speculative or not) with our selection unless `select` names another, or KIVI (nothing
-    fetched) with the paper's levels unless it names others. An `int8` item in `select` sets the
-    arithmetic (and alone leaves the selection at its default)."""
+    fetched) with the paper's levels unless it names others. An `int8` or `sparse[=TAU]` item in
+    `select` sets the arithmetic (and alone leaves the selection at its default)."""
     fallback = "paper" if kind == "kivi" else "default"
-    selection, named_arithmetic, oracle = parse_select(select or "", fallback)
+    selection, named_arithmetic, named_tau, oracle = parse_select(select or "", fallback)
     method = Method(
         bits=bits or DEFAULT.bits,
         group=group,
@@ -109,6 +121,7 @@ def specache_config(
         topk=0 if kind == "kivi" else topk,
         speculative=kind == "specache",
         arithmetic=named_arithmetic or arithmetic,
+        tau=tau if named_tau is None else named_tau,
     )
     placement = Placement(pair_dtype=pair_dtype, overlap_fetch=overlap_fetch)
     return SpeCacheConfig(method, selection, placement), oracle
@@ -155,9 +168,9 @@ def make_cache(
 
     Bits and a selection in the name win over `bits` and `select`. SpeCache and KIVI take `topk`,
     `stats` (the diagnostics), the slow tier, and specache_config's `options` (group, residual,
-    pair_dtype, overlap_fetch, arithmetic); the eviction baselines keep `budget_tokens` per layer
-    and KV head (default: as many as fit in SpeCache's fast-tier bytes at `budget_bits` bits at
-    this capacity) and StreamingLLM `sink_tokens` sinks; the full cache uses FlexAttention with
+    pair_dtype, overlap_fetch, arithmetic, tau); the eviction baselines keep `budget_tokens` per
+    layer and KV head (default: as many as fit in SpeCache's fast-tier bytes at `budget_bits` bits
+    at this capacity) and StreamingLLM `sink_tokens` sinks; the full cache uses FlexAttention with
     `use_flex`.
     """
     kind, named_bits, named_select = parse_method(method)

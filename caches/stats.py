@@ -24,6 +24,7 @@ from specache.ops import (
     LowBitPart,
     Merged,
     Segments,
+    SparsePart,
     lowbit_partial_attention,
     merge_segments,
     position_weights,
@@ -39,6 +40,11 @@ DIAGNOSTICS = (
     "coverage",
     "oracle_coverage",
     "rows",
+    # the sparse pass's: the positions it mixed value by value, of those it saw, and the real
+    # row's attention it gave its key groups' mean values
+    "sparse_kept",
+    "sparse_seen",
+    "sparse_skipped_mass",
 )
 
 
@@ -121,8 +127,33 @@ def diagnose(layer: SpeCacheLayer, rows: Tensor, seg: Segments, s: int) -> Tenso
         coverage,
         oracle_coverage,
         torch.ones_like(coverage),
+        *sparse_skipped(layer, rows, seg, s),
     ]
     return torch.stack([x.double() for x in sums]).sum(1)
+
+
+def sparse_skipped(
+    layer: SpeCacheLayer, rows: Tensor, seg: Segments, s: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """What the sparse pass skipped in this step's low-bit segment, per sequence and KV head: the
+    positions it mixed value by value, those it saw, and the share of the real row's attention
+    (the mean over its query heads) that it gave to key groups' mean values instead (zeros where
+    the layer's pass is not sparse)."""
+    method, kv = layer.config.method, layer.lowbit()
+    nothing = torch.zeros(seg.fetched_pos.shape[:2], dtype=torch.float64, device=rows.device)
+    if method.arithmetic != "sparse" or kv.k_packed.shape[2] == 0:
+        return nothing, nothing, nothing
+    visible = (seg.quantized_len, seg.fetched_pos, seg.fetched_valid)
+    sparse = SparsePart(
+        *torch.ops.specache.lowbit_partial_attention_sparse(
+            rows, *kv[:6], kv.v_mean, kv.bits, kv.group, method.min_weight, *visible
+        )
+    )
+    merged = merge_segments(rows, LowBitPart(*sparse[:4]), seg)
+    skipped = torch.where(sparse.kept.unsqueeze(2), 0.0, sparse.weights).sum(-1)
+    real = (skipped * merged.lowbit_scale.squeeze(-1))[:, :, ::s]  # row 0 of each query head
+    seen = (sparse.weights > 0).any(2).sum(-1)
+    return sparse.kept.sum(-1), seen, real.mean(-1)
 
 
 class Diagnostics:
@@ -180,6 +211,9 @@ class Diagnostics:
             "coverage": ("coverage", "rows"),
             "oracle_coverage": ("oracle_coverage", "rows"),
         }
+        if named["sparse_seen"].sum() > 0:  # a sparse pass ran
+            shares["sparse_kept"] = ("sparse_kept", "sparse_seen")
+            shares["sparse_skipped_mass"] = ("sparse_skipped_mass", "rows")
         total = {
             key: float(named[a].sum() / max(1.0, float(named[b].sum())))
             for key, (a, b) in shares.items()
@@ -242,6 +276,7 @@ def cache_stats(cache, steps: int, row: Optional[int] = None) -> dict:
         "topk": layer.k_spec + layer.k_real,
         "select": select,
         "arithmetic": method.arithmetic,
+        **({"tau": method.tau} if method.arithmetic == "sparse" else {}),
         "prefetched_pairs": layer.k_spec,
         "pairs_chosen_in_step": layer.k_real,
         "sinks": layer.n_sinks,

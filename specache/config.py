@@ -12,8 +12,9 @@ from specache.guess import GUESSES
 from specache.lowbit import LEVELS, sixteen_bit_dtype, value_group
 from specache.tiers import SlowTier, TierSpec
 
-# the low-bit pass's products: float, or 8-bit integers (ours, specache/integer.py)
-ARITHMETICS = ("float", "int8")
+# the low-bit pass's products: float, 8-bit integers (ours, specache/integer.py), or the
+# integers' scores with a sparse value mix (ours, specache/sparse.py)
+ARITHMETICS = ("float", "int8", "sparse")
 
 
 def setting(default: object, help: str, **more: object) -> Any:
@@ -24,7 +25,7 @@ def setting(default: object, help: str, **more: object) -> Any:
 
 @dataclass(frozen=True)
 class Method:
-    """The paper's settings (and one of ours: the arithmetic)."""
+    """The paper's settings (and two of ours: the arithmetic, and tau for its sparse pass)."""
 
     bits: int = setting(1, "bits of the low-bit KV copy: 1 or 2")
     group: int = setting(64, "g: tokens per key group (per channel), channels per value group")
@@ -37,11 +38,23 @@ class Method:
     )
     arithmetic: str = setting(
         "float",
-        "the low-bit pass's products: float, or int8 (ours: both operands rounded to 8-bit "
-        "integers per row, what CPUs with integer dot products run fastest, AVX512-VNNI; "
-        "docs/method.md says what it costs in accuracy)",
+        "the low-bit pass's products: float; int8 (ours: both operands rounded to 8-bit "
+        "integers per row, what CPUs with integer dot products run fastest, AVX512-VNNI); or "
+        "sparse (ours: int8's scores, and the values of only the positions some row weighs at "
+        "least e^-tau of its largest weight, the rest of each key group's weight on the group's "
+        "mean value); docs/method.md says what each costs in accuracy",
         choices=ARITHMETICS,
     )
+    tau: float = setting(
+        8.0,
+        "sparse: a position whose low-bit weight is below e^-tau of the largest in every row of "
+        "its KV head takes its key group's mean value; inf mixes every value",
+    )
+
+    @property
+    def min_weight(self) -> float:
+        """The sparse pass's threshold on a weight exp(score - row_max): e^-tau."""
+        return math.exp(-self.tau)
 
 
 def ours(default: object, name: str, help: str, *also: str) -> Any:
@@ -201,8 +214,10 @@ class SpeCacheConfig:
             (m.topk >= 0, f"SpeCache top-k must be >= 0, got {m.topk}"),
             (
                 m.arithmetic in ARITHMETICS,
-                f"SpeCache arithmetic must be float or int8, got {m.arithmetic!r}",
+                f"SpeCache arithmetic must be one of {', '.join(ARITHMETICS)}, got "
+                f"{m.arithmetic!r}",
             ),
+            (m.tau >= 0, f"SpeCache tau must be >= 0 (inf: no position skipped), got {m.tau}"),
             (
                 0 <= s.real_share <= 1,
                 f"split: the real row's share of k must be in [0, 1], got {s.real_share}",
@@ -280,6 +295,8 @@ def fast_tier_layout(
         "kappa_pos": ((prefetch_slots,), torch.long),
         "kappa_valid": ((prefetch_slots,), torch.bool),
     }
+    if m.arithmetic == "sparse":  # each key group's mean value (specache/sparse.py)
+        layout["v_mean"] = ((quantizable // m.group, head_dim), scale)
     if correcting:  # the last row's queries, which chose the prefetch the next step reads
         layout["last_query"] = ((query_heads_per_kv, head_dim), torch.float32)
     return layout

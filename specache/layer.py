@@ -8,11 +8,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from specache.config import fast_tier_layout
+from specache.config import ARITHMETICS, fast_tier_layout
 from specache.lowbit import LowBitKV, quantize_keys, quantize_values
 from specache.ops import LowBitPart, Merged, Segments, query_rows
 from specache.prefill import attention_after_history, history_block
 from specache.select import exact_slots, queries_disagree
+from specache.sparse import value_means
 from specache.state import DECODE, PREFILL, SpeCacheState
 from specache.step import attend_and_choose, step_attention
 from specache.tiers import Kappa, PrefetchSlots, SlowTier, TierSpec, held_match
@@ -131,7 +132,9 @@ class SpeCacheLayer(nn.Module):
     def lowbit(self) -> LowBitKV:
         m = self.config.method
         keys = (self.k_packed, self.k_scale, self.k_zero)
-        return LowBitKV(*keys, self.v_packed, self.v_scale, self.v_zero, m.bits, m.group)
+        values = (self.v_packed, self.v_scale, self.v_zero)
+        v_mean = self.v_mean if m.arithmetic == "sparse" else None  # (ours: the sparse pass)
+        return LowBitKV(*keys, *values, m.bits, m.group, v_mean)
 
     def _quantize_into(self, b: int, start: int, k: Tensor, v: Tensor) -> None:
         """Quantize k, v (Hkv, N, D) of sequence b (N a multiple of g) into positions [start,
@@ -146,6 +149,8 @@ class SpeCacheLayer(nn.Module):
         self.v_packed[b, :, start : start + n] = packed
         self.v_scale[b, :, start : start + n] = scale
         self.v_zero[b, :, start : start + n] = zero
+        if m.arithmetic == "sparse":  # (ours: the sparse pass) each new group's mean value
+            self.v_mean[b, :, keys] = value_means(packed, scale, zero, m.bits, g)
         sinks = max(0, min(self.n_sinks, start + n) - start)  # (ours: sinks)
         self.fetched_k[b, :, start : start + sinks] = k[:, :sinks].to(self.fetched_k.dtype)
         self.fetched_v[b, :, start : start + sinks] = v[:, :sinks].to(self.fetched_v.dtype)
@@ -258,14 +263,16 @@ class SpeCacheLayer(nn.Module):
     ) -> tuple[Tensor, None]:
         """A step whose slow tier is in the same RAM: one op (`specache::step_attention`), which
         also places the prefetch; the tier then only stores the real row."""
-        m, sel = self.config.method, self.config.selection
+        m, sel, kv = self.config.method, self.config.selection, self.lowbit()
         out, fetched_k, fetched_v, fetched_pos, fetched_valid, _, kappa_pos, kappa_valid, read = (
             step_attention(
                 rows,
-                *self.lowbit()[:6],
+                *kv[:6],
+                kv.v_mean,
                 m.bits,
                 m.group,
-                m.arithmetic == "int8",
+                ARITHMETICS.index(m.arithmetic),
+                m.min_weight,
                 *self.segments(k, v, self.fetched_valid),
                 self.tier.k,
                 self.tier.v,
@@ -313,6 +320,7 @@ class SpeCacheLayer(nn.Module):
             rows,
             self.lowbit(),
             self.config.method.arithmetic,
+            self.config.method.min_weight,
             self.segments(k, v, exact),
             self.tier.read,
             self.picks,

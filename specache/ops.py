@@ -342,7 +342,7 @@ def lowbit_part_shapes(a: SimpleNamespace) -> LowBitPart:
 
 
 def sparse_part_shapes(a: SimpleNamespace) -> SparsePart:
-    b, h, _, t = a.k_packed.shape
+    b, h, t, _ = a.k_packed.shape
     kept = a.rows.new_empty(b, h, t, dtype=torch.bool)
     return SparsePart(*lowbit_part_shapes(a), kept)
 
@@ -393,6 +393,8 @@ def lowbit_partial_attention(
         )
     visible = (seg.quantized_len, seg.fetched_pos, seg.fetched_valid)
     if arithmetic == "sparse":
+        if kv.v_mean is None:
+            raise ValueError("the sparse pass needs the copy's mean values (LowBitKV.v_mean)")
         sparse = torch.ops.specache.lowbit_partial_attention_sparse
         return LowBitPart(
             *sparse(rows, *kv[:6], kv.v_mean, kv.bits, kv.group, min_weight, *visible)[:4]

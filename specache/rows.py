@@ -83,7 +83,8 @@ def row_parts(cache: SpeCache, layer: SpeCacheLayer, n: int) -> list[tuple[Tenso
     """A layer's per-row buffers, each with how far a row that holds n tokens fills it."""
     lq, r = cache.state.split(n)
     groups = lq // cache.config.method.group
-    return [
+    means = [(layer.v_mean, groups)] if cache.config.method.arithmetic == "sparse" else []
+    return means + [
         (layer.k_packed, lq),
         (layer.k_scale, groups),
         (layer.k_zero, groups),

@@ -19,9 +19,7 @@ from torch import Tensor
 from specache.lowbit import dequantize_values
 
 
-def value_means(
-    v_packed: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int, group: int
-) -> Tensor:
+def value_means(v_packed: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int, group: int) -> Tensor:
     """The mean low-bit value of each key group of `group` positions (from 0), (..., ceil(T /
     group), D), in the scales' dtype: what the sparse mix gives a group's skipped weight. A last
     group that is not whole averages the positions it has."""

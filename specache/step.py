@@ -10,6 +10,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from specache.config import ARITHMETICS
 from specache.lowbit import LowBitKV
 from specache.ops import (
     LowBitPart,
@@ -47,6 +48,7 @@ def attend_and_choose(
     rows: Tensor,
     kv: LowBitKV,
     arithmetic: str,
+    min_weight: float,
     seg: Segments,
     read_pairs: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
     n_picks: int,
@@ -60,7 +62,8 @@ def attend_and_choose(
 ) -> StepAttention:
     """A layer's attention in one decode step, written once: the one op's definition below, and
     the layer's step op by op (specache/layer.py), are this composition. The rows attend over the
-    four segments of `seg` (its slots' validity as `exact_slots` says).
+    four segments of `seg` (its slots' validity as `exact_slots` says), the low-bit one in
+    `arithmetic` (specache.Method's, the sparse pass at `min_weight`).
     - With n_picks, the real row (row 0) first picks that many positions by its low-bit weights
       (with a shortlist, by the exact weights of the `shortlist` x n_picks it lists:
       `rank_shortlist`; or as the `oracle` chooses). Their pairs, read with `read_pairs(positions,
@@ -69,7 +72,7 @@ def attend_and_choose(
     Every slot from the first pick's on takes a pick: n_picks is 0, or at least the real row's
     slots (plus the prefetch's where a `discard` is given)."""
     s = seg.new_k.shape[2]
-    part = lowbit_partial_attention(rows, kv, seg, arithmetic)
+    part = lowbit_partial_attention(rows, kv, seg, arithmetic, min_weight)
     # fresh, not views: an op's outputs never alias its inputs
     nothing = seg.fetched_pos.new_empty(seg.fetched_pos.shape[:2] + (0,))
     placed, read = nothing.bool(), seg.quantized_len.new_zeros(seg.fetched_pos.shape[:2])
@@ -144,9 +147,11 @@ def step_attention_reference(
     v_packed: Tensor,
     v_scale: Tensor,
     v_zero: Tensor,
+    v_mean: Optional[Tensor],
     bits: int,
     group: int,
-    integer: bool,
+    arithmetic: int,
+    min_weight: float,
     quantized_len: Tensor,
     fetched_k: Tensor,
     fetched_v: Tensor,
@@ -168,14 +173,15 @@ def step_attention_reference(
     selectable_len: Tensor,
 ) -> StepOutputs:
     """`attend_and_choose` over a slow tier `store_k`, `store_v` (B, Hkv, T, D) in the same
-    memory, whose pairs it gathers itself, the prefetch's too."""
+    memory, whose pairs it gathers itself, the prefetch's too; `arithmetic` indexes
+    specache.config.ARITHMETICS."""
     real_slots = fetched_pos.shape[-1] - n_sinks - n_spec
     if n_picks and n_picks < real_slots + (n_spec if discard is not None else 0):
         raise ValueError(
             f"step_attention: {n_picks} picks cannot fill the {real_slots} real-row slots"
             + (f" and the {n_spec} of the prefetch" if discard is not None else "")
         )
-    kv = LowBitKV(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group)
+    kv = LowBitKV(k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group, v_mean)
     exact = exact_slots(fetched_valid, fetched_pos, quantized_len, n_sinks, n_spec, discard)
     window = (window_k, window_v, window_len, new_k, new_v)
     seg = Segments(quantized_len, fetched_k, fetched_v, fetched_pos, exact, *window)
@@ -186,7 +192,8 @@ def step_attention_reference(
     step = attend_and_choose(
         rows,
         kv,
-        "int8" if integer else "float",
+        ARITHMETICS[arithmetic],
+        min_weight,
         seg,
         read_pairs,
         n_picks,

@@ -222,6 +222,7 @@ def reference_ops():
     references = {
         "lowbit_partial_attention": specache.ops.lowbit_partial_attention_reference,
         "lowbit_partial_attention_int8": specache.ops.lowbit_partial_attention_int8_reference,
+        "lowbit_partial_attention_sparse": specache.ops.lowbit_partial_attention_sparse_reference,
         "merge_segments": specache.ops.merge_segments_reference,
         "top_positions": specache.ops.top_positions_reference,
         "step_attention": specache.step.step_attention_reference,

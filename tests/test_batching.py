@@ -25,6 +25,8 @@ METHODS = {
     "full": ("full", {}),
     "specache": ("specache-1bit", SMALL),
     "specache-disk": ("specache-1bit", dict(SMALL, slow_tier="disk")),
+    # the sparse pass's mean values are per row too (kept and restored with the copy)
+    "specache-sparse": ("specache-1bit:sparse=4", SMALL),
     "kivi": ("kivi-1bit", dict(group=16, residual=16)),
 }
 # sliding-window layers (a ring of 16) beside full ones: a prompt chunk's rows in a pass must reach
@@ -177,7 +179,7 @@ def test_health_says_how_full_the_batch_ran():
     assert 0 < health["prompt_pass_s"] < health["busy_s"]
 
 
-@pytest.mark.parametrize("name", ["full", "specache", "specache-disk"])
+@pytest.mark.parametrize("name", ["full", "specache", "specache-disk", "specache-sparse"])
 def test_a_request_that_extends_a_kept_conversation_prefills_only_its_new_tokens(name):
     """Turn 2 extends turn 1's prompt and answer: the engine continues turn 1's cache (it
     reports the tokens reused) and answers what generate answers continuing a kept cache, as

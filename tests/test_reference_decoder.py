@@ -86,7 +86,7 @@ def run_implementation(model, config, prompts, max_seq_length, oracle=None):
 
 def config_of(select, bits, group, residual, topk, speculative, fp32_pairs=False):
     """A SpeCacheConfig and the oracle its selection names (as --specache_select reads them)."""
-    selection, _, oracle = parse_select(select)
+    selection, _, _, oracle = parse_select(select)
     placement = Placement(pair_dtype=torch.float32 if fp32_pairs else None)
     return SpeCacheConfig(
         Method(bits, group, residual, topk, speculative), selection, placement

@@ -1,6 +1,7 @@
 """scripts/eval/selection_study.py: the decode it records is the one the full cache attended over,
 and its per-step figures behave as their definitions say."""
 
+import math
 import random
 
 import pytest
@@ -11,12 +12,16 @@ from scripts.eval.harness import Runner
 from scripts.eval.ruler import make_sample
 from scripts.eval.selection_study import (
     CHOICES,
+    copy_values_packed,
     hadamard,
     one_bit_copy,
     per_layer_k,
     record_decode,
     step_figures,
 )
+from scripts.eval.sparse_study import group_means, sparse_choice, sparse_figures
+from specache.ops import lowbit_softmax
+from specache.sparse import kept_positions, sparse_value_mix, value_means
 from tokenizer import get_tokenizer
 
 
@@ -68,6 +73,72 @@ def test_figures_follow_their_definitions():
     exact_copy = (keys[:, :quantized_len], values[:, :quantized_len])
     for error, _ in step_figures(rows, keys, values, exact_copy, quantized_len, 4, 16).values():
         assert error == pytest.approx(0.0, abs=1e-5)
+
+
+def test_sparse_choices_follow_the_shortlist_and_the_pass():
+    rows, keys, values = random_step(0)
+    quantized_len, taus = 256, (0.0, 2.0, 4.0, 8.0, 1000.0)
+    copy = one_bit_copy(keys[:, :quantized_len], values[:, :quantized_len], "lloyd", 64, torch.half)
+    packed = copy_values_packed(values[:, :quantized_len], "lloyd", 64, torch.half)
+    means = group_means(packed, 64)
+    figures = step_figures(rows, keys, values, copy, quantized_len, 4, 16, taus=taus, means=means)
+    assert set(figures) == set(CHOICES) | {sparse_choice(tau) for tau in taus}
+    shortlisted = figures["shortlist"]
+    sparse = [figures[sparse_choice(tau)] for tau in taus]
+    # the same exact reads; tau -> inf keeps every low-bit value: the shortlist itself
+    assert all(coverage == shortlisted[1] for _, coverage, _, _ in sparse)
+    assert sparse[-1][0] == pytest.approx(shortlisted[0], rel=1e-6)
+    assert sparse[-1][2:] == (1.0, 0.0)
+    # tau = 0 keeps only each row's largest: means elsewhere cost error; more kept as tau grows
+    assert sparse[0][0] > shortlisted[0]
+    kept, skipped = [f[2] for f in sparse], [f[3] for f in sparse]
+    assert kept == sorted(kept) and kept[0] < kept[-1]
+    assert skipped == sorted(skipped, reverse=True) and skipped[0] > 0
+    # without taus, the figures are the study's own
+    assert step_figures(rows, keys, values, copy, quantized_len, 4, 16) == {
+        choice: figures[choice] for choice in CHOICES
+    }
+
+
+def test_sparse_mix_is_the_pass_mix_on_the_float_scores():
+    """The study's sparse mix, spelled out with the pass's own pieces (specache/ops.py and
+    sparse.py) on the copy's float scores: its weights over the low-bit segment, the positions
+    kept, and the mix of their values with the group means."""
+    rows, keys, values = random_step(1)
+    n_kv, n, q, tau = keys.shape[0], keys.shape[1], 256, 4.0
+    read = torch.zeros(n_kv, n, dtype=torch.bool)
+    read[:, :4] = read[:, q:] = True
+    read[:, torch.randperm(q - 4, generator=torch.Generator().manual_seed(1))[:16] + 4] = True
+    k_copy, v_copy = one_bit_copy(keys[:, :q], values[:, :q], "lloyd", 64, torch.half)
+    packed = copy_values_packed(values[:, :q], "lloyd", 64, torch.half)
+    exact_scores = rows @ keys.transpose(-1, -2)
+    copy_scores = torch.cat([rows @ k_copy.transpose(-1, -2), exact_scores[..., q:]], -1)
+    copy_values = torch.cat([v_copy, values[:, q:]], 1)
+    scores = torch.where(read[:, None], exact_scores, copy_scores)
+    mixed_values = torch.where(read[..., None], values, copy_values)
+    means = torch.cat([group_means(packed, 64), values[:, q:]], 1)
+    exact_out = exact_scores.softmax(-1) @ values
+    (error, kept, skipped), *_ = sparse_figures(
+        scores, copy_scores, mixed_values, means, read, exact_out, [tau]
+    ).values()
+    # the pass: the low-bit segment [0, q) less the positions read exactly
+    excluded_pos = torch.arange(q).expand(1, n_kv, q)
+    excluded = read[None, :, :q]  # an entry per position, valid where it is read exactly
+    weights, _ = lowbit_softmax(
+        copy_scores[None, ..., :q], torch.tensor([q]), excluded_pos, excluded
+    )
+    pass_kept = kept_positions(weights, math.exp(-tau))[0]
+    p = scores.softmax(-1)
+    v_mean = value_means(*packed, 1, 64)
+    lowbit = torch.where(read[:, None, :q], 0.0, p[..., :q])
+    out = (p * read[:, None]) @ values + sparse_value_mix(
+        lowbit[None], pass_kept[None], *(x[None] for x in packed), v_mean[None], 1, 64
+    )[0]
+    pass_error = ((out - exact_out).norm(dim=-1) / exact_out.norm(dim=-1)).mean()
+    assert error == pytest.approx(float(pass_error), rel=1e-5)
+    unread = ~read[:, :q]
+    assert kept == pytest.approx(float(pass_kept.sum() / unread.sum())) and 0 < kept < 1
+    assert skipped == pytest.approx(float((lowbit * (unread & ~pass_kept)[:, None]).sum(-1).mean()))
 
 
 def test_recorded_decode_reproduces_what_each_layer_attended(smollm2_model, smollm2_checkpoint):

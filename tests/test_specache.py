@@ -109,6 +109,8 @@ def test_sixteen_bit_pairs_stay_close_to_the_fp32_full_cache():
         ("specache", "default,shortlist=3", "float"),
         ("specache", "default,shortlist=0", "float"),
         ("specache-nospec", "split,shortlist=2", "int8"),
+        ("specache", "default", "sparse"),
+        ("kivi", "paper", "sparse"),
     ],
 )
 def test_fast_kernels_generate_what_the_reference_kernels_generate(
@@ -136,6 +138,7 @@ def test_fast_kernels_generate_what_the_reference_kernels_generate(
         topk=0 if cache == "kivi" else 8,
         speculative=cache == "specache",
         arithmetic=arithmetic,
+        **({"tau": 2.0} if arithmetic == "sparse" else {}),  # so that it skips positions
         **SMALL,
     )
     model = tiny_model(dim=256, n_head=4, n_local_heads=2)

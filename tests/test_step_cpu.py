@@ -10,6 +10,7 @@ unspecified (the kernel writes 0, topk some masked position), and such a slot ne
 """
 
 import contextlib
+import math
 import shutil
 import warnings
 
@@ -18,7 +19,13 @@ import torch
 
 import specache
 from conftest import reference_ops
+from specache.config import ARITHMETICS
 from specache.lowbit import quantize_keys, quantize_values
+from specache.ops import parameter_names
+from specache.step import step_attention_reference
+
+# the op's arguments by name: their index in its schema
+ARGUMENT = {name: i for i, name in enumerate(parameter_names(step_attention_reference))}
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("g++") is None, reason="no g++: the reference serves"),
@@ -28,7 +35,7 @@ pytestmark = [
 
 def step_problem(
     bits=1,
-    integer=False,
+    arithmetic="float",
     s=2,
     n_picks=8,
     shortlist=0,
@@ -55,6 +62,9 @@ def step_problem(
     values = torch.randn(b, h, t + window, d, generator=g)
     k_packed, k_scale, k_zero = quantize_keys(keys[:, :, :t], bits, 32, torch.float16)
     v_packed, v_scale, v_zero = quantize_values(values[:, :, :t], bits, 32, torch.float16)
+    v_mean = None
+    if arithmetic == "sparse":
+        v_mean = specache.sparse.value_means(v_packed, v_scale, v_zero, bits, 32)
     quantized_len = torch.tensor([t - 32, 8])
     slots = n_sinks + n_spec + n_real
     fetched_pos = torch.randint(0, t - 24, (b, h, slots), generator=g)
@@ -80,9 +90,11 @@ def step_problem(
         v_packed,
         v_scale,
         v_zero,
+        v_mean,
         bits,
         32,
-        integer,
+        ARITHMETICS.index(arithmetic),
+        math.exp(-2.0),  # the sparse pass's threshold: about half the positions skipped here
         quantized_len,
         fetched_k,
         fetched_v,
@@ -108,11 +120,11 @@ def step_problem(
 def meaningful_slots(args, placed, kappa_valid):
     """(B, Hkv, K): slots whose content is specified: all but those a pick or a prefetch entry
     that is not real went to."""
-    fetched_pos, discard = args[13], args[24]
-    n_picks, n_sinks, n_spec = args[22], args[26], args[27]
+    a = specache.ops.arguments(specache.step.step_attention_reference, args)
+    fetched_pos, n_picks, n_sinks, n_spec = a.fetched_pos, a.n_picks, a.n_sinks, a.n_spec
     slots = fetched_pos.shape[-1]
-    first = specache.select.first_pick_slot(fetched_pos, n_sinks, n_spec, discard)
-    meaningful = torch.ones_like(args[14])
+    first = specache.select.first_pick_slot(fetched_pos, n_sinks, n_spec, a.discard)
+    meaningful = torch.ones_like(a.fetched_valid)
     if n_picks:
         rank = (torch.arange(slots) - first).clamp(0, n_picks - 1)
         real_pick = placed.gather(2, rank)
@@ -174,11 +186,11 @@ def test_the_kernel_serves_the_op():
 
 
 @pytest.mark.parametrize("bits", [1, 2])
-@pytest.mark.parametrize("integer", [False, True])
+@pytest.mark.parametrize("arithmetic", ARITHMETICS)
 @pytest.mark.parametrize("s", [1, 2])
-def test_a_step_equals_the_composition(bits, integer, s):
+def test_a_step_equals_the_composition(bits, arithmetic, s):
     out, _, _, _, _, placed, _, kappa_valid, _ = assert_same_step(
-        step_problem(bits=bits, integer=integer, s=s)
+        step_problem(bits=bits, arithmetic=arithmetic, s=s)
     )
     # the problem exercises what it claims: picks placed and cut short, a prefetch chosen
     assert placed[0].any() and not placed[1].all()
@@ -199,7 +211,8 @@ def test_a_step_equals_the_composition(bits, integer, s):
         {"shortlist": 4},  # the real row lists 32 and keeps the 8 its exact keys weigh most
         {"shortlist": 4, "gqa_max": False},
         {"shortlist": 4, "n_picks": 4, "discard": False},
-        {"shortlist": 2, "bits": 2, "integer": True, "s": 1},
+        {"shortlist": 2, "bits": 2, "arithmetic": "int8", "s": 1},
+        {"shortlist": 4, "arithmetic": "sparse", "dtype": torch.float32, "d": 128},
         {"shortlist": 3, "dtype": torch.float32, "d": 128},
         {"shortlist": 30},  # more listed than the copy holds: the list stops at T
     ],
@@ -252,9 +265,9 @@ def test_mismatched_inputs_are_refused_not_read_past(broken):
     the kernel would read past them; the call goes to the definition, which refuses."""
     args = list(step_problem())
     if broken == "window_v":
-        args[16] = args[16][:, :, :-1]
+        args[ARGUMENT["window_v"]] = args[ARGUMENT["window_v"]][:, :, :-1]
     else:
-        args[17] = args[17][:1]
+        args[ARGUMENT["window_len"]] = args[ARGUMENT["window_len"]][:1]
     with pytest.raises((ValueError, RuntimeError)):
         torch.ops.specache.step_attention(*args)
 
@@ -279,7 +292,8 @@ def test_the_op_passes_torch_library_opcheck():
     AOT, on contiguous inputs and on strided rows and slots."""
     args = list(step_problem())
     torch.library.opcheck(torch.ops.specache.step_attention.default, tuple(args))
-    args[0], args[11], args[12] = strided(args[0]), strided(args[11]), strided(args[12])
+    for name in ("rows", "fetched_k", "fetched_v"):
+        args[ARGUMENT[name]] = strided(args[ARGUMENT[name]])
     torch.library.opcheck(torch.ops.specache.step_attention.default, tuple(args))
 
 
@@ -287,7 +301,8 @@ def test_a_compiled_graph_around_the_op_takes_strided_inputs():
     """The fake's outputs are contiguous, as the kernel's are, whatever the inputs' strides: a
     fake that copied the rows' strides failed inductor's stride assertion."""
     args = list(step_problem())
-    args[0], args[11] = strided(args[0]), strided(args[11])
+    for name in ("rows", "fetched_k"):
+        args[ARGUMENT[name]] = strided(args[ARGUMENT[name]])
 
     def around(*args):
         out, fetched_k = torch.ops.specache.step_attention(*args)[:2]
@@ -322,17 +337,17 @@ class RecordSpeCacheOps(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("integer", [False, True])
-def test_each_op_the_step_calls_passes_opcheck(integer):
+@pytest.mark.parametrize("arithmetic", ARITHMETICS)
+def test_each_op_the_step_calls_passes_opcheck(arithmetic):
     """Every op's schema is derived from its reference's annotations and its fake reads the
     arguments by name (specache/ops.py's `declare`): opcheck holds each fake's outputs (shapes,
     dtypes, strides) and the schema (mutation, aliasing) against the real op, on the arguments a
     step really passes. A fake that read a wrong argument, or a schema whose outputs do not match
     the reference's, fails here."""
     with RecordSpeCacheOps() as recorded:
-        specache.step.step_attention_reference(*step_problem(integer=integer))
+        specache.step.step_attention_reference(*step_problem(arithmetic=arithmetic))
     names = {func.__name__.split(".")[0] for func, _ in recorded.calls}
-    lowbit = "lowbit_partial_attention" + ("_int8" if integer else "")
+    lowbit = "lowbit_partial_attention" + ("" if arithmetic == "float" else f"_{arithmetic}")
     assert names == {lowbit, "merge_segments", "top_positions"}
     for func, args in recorded.calls:
         torch.library.opcheck(func, args)

@@ -4,6 +4,7 @@ without decoding once per variant.
     python scripts/eval/selection_study.py --checkpoint checkpoints/google/gemma-3-270m/model.pth \
         --length 16384 --tasks niah_multikey_2 niah_multiquery cwe
     python scripts/eval/selection_study.py --length 4096 --topk 64 128  # the default model
+    python scripts/eval/selection_study.py --length 4096 --taus 4 6 8 12  # and the sparse mix
 
 A task sweep (ruler.py) needs a prefill and a decode per sample and method, and its score moves by
 whole answers. This study isolates the copy: each RULER sample is decoded greedily once with the
@@ -30,7 +31,18 @@ Choices of the k positions, all made by the step's own row (no speculation, as s
   from the slow tier: --shortlist x k keys more per step), the k best kept (ours);
 - shortlist by error bound, shortlist + outliers: the shortlist listed by the error bound, and
   the shortlist beside the outliers;
-- exact top-k (oracle): the k positions of most exact attention, the mean over its query heads.
+- exact top-k (oracle): the k positions of most exact attention, the mean over its query heads;
+- shortlist, sparse tau=T (with --taus): the shortlist's exact reads, the rest mixed as the sparse
+  pass (specache/sparse.py) mixes them: a low-bit position (in [sinks, quantized_len), not read
+  exactly) keeps its copy's value if some row of its KV head weighs it, within that segment
+  (exp(score - the row's largest copy score there)), at least e^-T; the others, their weight
+  unchanged in the softmax, take their key group's mean copy value (groups of g from 0, computed
+  once per layer by specache.sparse.value_means, in the pair dtype, as the layer stores them).
+  It scores with the float copy, as every choice here does; the pass scores in integers
+  (specache/integer.py), which differ by rounding only (about 0.4%). Its own table gives the
+  share of those low-bit positions kept and the skipped mass: the share of the row's attention
+  (the mixed softmax, as for the error) on positions given their group's mean. Its code is in
+  scripts/eval/sparse_study.py.
 
 Each is measured for every 1-bit level rule (--levels: the paper's minmax, Lloyd's, midway; values
 are Lloyd's under midway, as specache/ stores them; and, for this study only, hadamard: Lloyd's
@@ -52,6 +64,7 @@ import math
 import random
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -71,6 +84,7 @@ from specache.lowbit import (
     quantize_keys,
     quantize_values,
 )  # noqa: E402
+from scripts.eval.sparse_study import group_means, sparse_figures, sparse_table  # noqa: E402
 
 CHOICES = (
     "kivi",
@@ -150,6 +164,15 @@ def hadamard(n: int) -> Tensor:
     return h / n**0.5
 
 
+def copy_values_packed(
+    values: Tensor, levels: str, group: int, pair_dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The 1-bit copy of values (Hkv, T, D) as the layer stores it: packed codes, scale, zero.
+    The rotation of `hadamard` is the keys' alone; its values take Lloyd's levels."""
+    levels = "lloyd" if levels == "hadamard" else levels
+    return quantize_values(values.to(pair_dtype), 1, group, pair_dtype, levels)
+
+
 def one_bit_copy(
     keys: Tensor, values: Tensor, levels: str, group: int, pair_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
@@ -160,7 +183,7 @@ def one_bit_copy(
     if rotation is not None:
         keys, levels = keys.float() @ rotation, "lloyd"
     k = quantize_keys(keys.to(pair_dtype), 1, group, pair_dtype, levels)
-    v = quantize_values(values.to(pair_dtype), 1, group, pair_dtype, levels)
+    v = copy_values_packed(values, levels, group, pair_dtype)
     k_copy = dequantize_keys(*k, 1, group).float()
     if rotation is not None:
         k_copy = k_copy @ rotation
@@ -177,11 +200,15 @@ def step_figures(
     topk: int,
     shortlist: int = 8,
     outlier_share: float = 0.005,
-) -> dict[str, tuple[float, float]]:
+    taus: Sequence[float] = (),
+    means: Tensor | None = None,
+) -> dict[str, tuple[float, ...]]:
     """(error, coverage) of each choice for one step: rows (Hkv, G, D) scaled by D**-0.5 over keys
     and values (Hkv, N, D), the copy standing in for positions [sinks, quantized_len); the
     shortlist is `shortlist` * k positions long; the outliers, kept exact beside the k picks, are
-    the `outlier_share` of the quantized positions whose keys the copy is furthest from."""
+    the `outlier_share` of the quantized positions whose keys the copy is furthest from. For each
+    of `taus`, the shortlist with the sparse mix (sparse_study.py): (error, coverage, kept,
+    skipped mass), `means` (Hkv, >= quantized_len, D) each position's group mean."""
     n_kv, n = keys.shape[0], keys.shape[1]
     low = torch.zeros(n, dtype=torch.bool)
     low[sinks:quantized_len] = True
@@ -232,7 +259,7 @@ def step_figures(
         "shortlist + outliers": shortlisted,
         "exact top-k (oracle)": exact_p.mean(1),
     }
-    figures = {}
+    figures: dict[str, tuple[float, ...]] = {}
     for choice in CHOICES:
         read_exactly = (~low).expand(n_kv, n).clone()
         if choice.endswith("+ outliers"):
@@ -248,6 +275,15 @@ def step_figures(
         error = ((out - exact_out).norm(dim=-1) / exact_out.norm(dim=-1)).mean()
         coverage = (exact_p * read_exactly[:, None]).sum(-1).mean()
         figures[choice] = (float(error), float(coverage))
+        if choice == "shortlist" and taus:
+            # past quantized_len (read exactly, never given a mean) the copy's values stand in
+            position_means = copy_values.clone()
+            position_means[:, :quantized_len] = means[:, :quantized_len]
+            sparse = sparse_figures(
+                scores, copy_scores, mixed_values, position_means, read_exactly, exact_out, taus
+            )
+            for name, (sparse_error, kept, skipped) in sparse.items():
+                figures[name] = (sparse_error, float(coverage), kept, skipped)
     return figures
 
 
@@ -262,7 +298,8 @@ def study_layer(
     stride: int,
     pair_dtype: torch.dtype,
     shortlist: int,
-) -> dict[str, tuple[float, float]]:
+    taus: Sequence[float] = (),
+) -> dict[str, tuple[float, ...]]:
     """A layer's figures per choice, the mean over every stride-th step."""
     n_kv, head_dim = rec.keys.shape[0], rec.keys.shape[-1]
     steps = rec.queries.shape[0]
@@ -270,9 +307,14 @@ def study_layer(
     copy = one_bit_copy(
         rec.keys[:, :last_quantized], rec.values[:, :last_quantized], levels, group, pair_dtype
     )
+    # the group means, like the copy, once per layer (the layer stores them as it quantizes)
+    means = None
+    if taus:
+        packed = copy_values_packed(rec.values[:, :last_quantized], levels, group, pair_dtype)
+        means = group_means(packed, group)
     # the exact pairs as SpeCache holds them, in the 16-bit pair dtype
     keys, values = rec.keys.to(pair_dtype).float(), rec.values.to(pair_dtype).float()
-    sums: dict[str, list[float]] = {choice: [0.0, 0.0] for choice in CHOICES}
+    sums: dict[str, list[float]] = {}
     taken = range(0, steps, stride)
     for step in taken:
         history = prompt_len + step  # positions before this step's token, which is at `history`
@@ -287,11 +329,14 @@ def study_layer(
             min(sinks, quantized_len),
             topk,
             shortlist,
+            taus=taus,
+            means=means,
         )
-        for choice, (error, coverage) in figures.items():
-            sums[choice][0] += error
-            sums[choice][1] += coverage
-    return {choice: (e / len(taken), c / len(taken)) for choice, (e, c) in sums.items()}
+        for choice, measured in figures.items():
+            total = sums.setdefault(choice, [0.0] * len(measured))
+            for i, x in enumerate(measured):
+                total[i] += x
+    return {choice: tuple(x / len(taken) for x in total) for choice, total in sums.items()}
 
 
 def table(results: dict, topks: list[int], levels: list[str]) -> str:
@@ -394,6 +439,14 @@ def main(argv: list[str] | None = None) -> None:
         "--topk", type=int, nargs="+", default=[64], help="k values to study (default 64)"
     )
     parser.add_argument(
+        "--taus",
+        type=float,
+        nargs="+",
+        default=[],
+        help="add the shortlist with the sparse pass's value mix at each tau (e.g. 4 6 8 12; "
+        "default none)",
+    )
+    parser.add_argument(
         "--checkpoint",
         type=Path,
         default=None,
@@ -447,6 +500,7 @@ def main(argv: list[str] | None = None) -> None:
                         args.stride,
                         pair_dtype,
                         args.shortlist,
+                        args.taus,
                     )
                     results[level][str(k)].append(figures)
     markdown = (
@@ -457,6 +511,7 @@ def main(argv: list[str] | None = None) -> None:
         f"full-attention layers and samples. Wall-clock {(time.perf_counter() - t0) / 60:.1f} "
         "min.\n\n"
         + table(results, args.topk, args.levels)
+        + ("\n\n" + sparse_table(results, args.topk, args.levels, args.taus) if args.taus else "")
         + (
             "\n\n" + per_layer_k_table(results, layers, args.topk, args.levels)
             if len(args.topk) >= 3

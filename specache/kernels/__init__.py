@@ -16,7 +16,15 @@ calls (no C++ dispatch).
 import warnings
 from functools import lru_cache
 
-from specache.kernels import cpu_ops, lowbit_cpu, lowbit_int_cpu, lowbit_triton, merge_cpu, rank_cpu
+from specache.kernels import (
+    cpu_ops,
+    lowbit_cpu,
+    lowbit_int_cpu,
+    lowbit_sparse_cpu,
+    lowbit_triton,
+    merge_cpu,
+    rank_cpu,
+)
 from specache.step import step_attention_reference
 
 PLAIN = "plain PyTorch"
@@ -34,6 +42,7 @@ def _register() -> dict[str, str]:
         cpu = {
             "lowbit_partial_attention": lowbit_cpu.register(),
             "lowbit_partial_attention_int8": lowbit_int_cpu.register(),
+            "lowbit_partial_attention_sparse": lowbit_sparse_cpu.register(),
             "top_positions": rank_cpu.register(),
             "merge_segments": merge_cpu.register(),
         }

@@ -1,8 +1,8 @@
-// SpeCache's CPU ops dispatched in C++: specache::lowbit_partial_attention (or its _int8 twin),
-// specache::merge_segments and specache::top_positions, which specache::step_attention
-// (step_cpu.cpp) chains in one call per layer. Their Python implementations (lowbit_cpu.py,
-// merge_cpu.py, rank_cpu.py) check the inputs, fill a ctypes struct and call the C kernel, about
-// 12 us a call; this does the same in about 2.
+// SpeCache's CPU ops dispatched in C++: specache::lowbit_partial_attention (or its _int8 and
+// _sparse twins), specache::merge_segments and specache::top_positions, which
+// specache::step_attention (step_cpu.cpp) chains in one call per layer. Their Python
+// implementations (lowbit_cpu.py, merge_cpu.py, rank_cpu.py) check the inputs, fill a ctypes
+// struct and call the C kernel, about 12 us a call; this does the same in about 2.
 //
 // cpu_ops.py builds it, with step_cpu.cpp, at first use against the running torch's headers. Each
 // kernel's module hands over its C function's address once it has built it
@@ -110,19 +110,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_seg
   return {out, lowbit_scale, probs[0], probs[1], probs[2]};
 }
 
-}  // namespace
-
-// The checks guard the kernel's reads and writes; lowbit_cpu.py's _check states the whole
-// contract. Integer: specache::lowbit_partial_attention_int8, the same contract with
-// lowbit_int_cpu.c.
-template <bool integer>
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_partial_attention(
-    const at::Tensor &rows_in, const at::Tensor &k_packed_in, const at::Tensor &k_scale_in,
-    const at::Tensor &k_zero_in, const at::Tensor &v_packed_in, const at::Tensor &v_scale_in,
-    const at::Tensor &v_zero_in, int64_t bits, int64_t group, const at::Tensor &visible_len_in,
-    const at::Tensor &excluded_pos_in, const at::Tensor &excluded_valid_in) {
-  const LowbitKernel kernel = integer ? lowbit_int8_kernel : lowbit_kernel;
-  const char *name = integer ? "lowbit_partial_attention_int8" : "lowbit_partial_attention";
+// The low-bit passes' common arguments checked (the checks guard the kernels' reads and writes;
+// lowbit_cpu.py's _check states the whole contract) and run by `kernel`; with `kept` given, the
+// sparse pass's v_mean and min_weight too, and its kept allocated (else NULL and 0). nullopt for
+// a shape the C kernels do not take.
+std::optional<LowbitOutputs> run_lowbit(
+    LowbitKernel kernel, const char *name, const at::Tensor &rows_in, const at::Tensor &k_packed_in,
+    const at::Tensor &k_scale_in, const at::Tensor &k_zero_in, const at::Tensor &v_packed_in,
+    const at::Tensor &v_scale_in, const at::Tensor &v_zero_in, int64_t bits, int64_t group,
+    const at::Tensor &visible_len_in, const at::Tensor &excluded_pos_in,
+    const at::Tensor &excluded_valid_in, const at::Tensor *v_mean_in = nullptr,
+    double min_weight = 0.0, at::Tensor *kept = nullptr) {
   TORCH_CHECK(kernel, name, ": the C kernel was not handed over");
   TORCH_CHECK_VALUE(rows_in.dim() == 4 && rows_in.scalar_type() == at::kFloat,
                     "lowbit_partial_attention: rows must be (B, Hkv, M, D) float32");
@@ -154,13 +152,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_partial_attent
                         visible_len_in.scalar_type() == at::kLong,
                     "lowbit_partial_attention: visible_len must be (B,) int64");
   check_exclusions("lowbit_partial_attention", excluded_pos_in, excluded_valid_in, b, h);
-  if (!(d % 16 == 0 && d >= 16 && d <= 256 && group % 8 == 0 && group <= (1 << 20))) {
-    // a shape the C kernel does not take: specache/ops.py's reference
-    static const auto reference = plain<decltype(lowbit_partial_attention<integer>)>(name);
-    return reference.call(rows_in, k_packed_in, k_scale_in, k_zero_in, v_packed_in, v_scale_in,
-                          v_zero_in, bits, group, visible_len_in, excluded_pos_in,
-                          excluded_valid_in);
-  }
+  if (kept)
+    TORCH_CHECK_VALUE(v_mean_in->sizes() == at::IntArrayRef({b, h, groups, d}) &&
+                          v_mean_in->scalar_type() == scale_type,
+                      name, ": v_mean must be (B, Hkv, ceil(T / group), D) in the scales' dtype");
+  // a shape the C kernels do not take: the caller's reference
+  if (!(d % 16 == 0 && d >= 16 && d <= 256 && group % 8 == 0 && group <= (1 << 20))) return {};
   const at::Tensor rows = rows_in.contiguous(), k_packed = k_packed_in.contiguous(),
                    v_packed = v_packed_in.contiguous(), k_scale = k_scale_in.contiguous(),
                    k_zero = k_zero_in.contiguous(), v_scale = v_scale_in.contiguous(),
@@ -171,7 +168,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_partial_attent
              row_max = at::empty({b, h, m}, rows.options());
   at::Tensor row_sum = at::empty({b, h, m}, rows.options()),
              out = at::empty({b, h, m, d}, rows.options());
-  const LowbitProblem problem{rows.data_ptr(),
+  LowbitProblem problem{rows.data_ptr(),
                               k_packed.data_ptr(),
                               v_packed.data_ptr(),
                               k_scale.data_ptr(),
@@ -196,9 +193,59 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_partial_attent
                               static_cast<int32_t>(value_groups),
                               scale_type == at::kBFloat16 ? 1 : 0,
                               static_cast<int32_t>(at::get_num_threads())};
+  at::Tensor v_mean;  // alive through the call
+  if (kept) {
+    v_mean = v_mean_in->contiguous();
+    *kept = at::empty({b, h, t}, excluded_valid.options());
+    problem.v_mean = v_mean.data_ptr();
+    problem.kept = kept->data_ptr();
+    problem.min_weight = min_weight;
+  }
   TORCH_CHECK(kernel(&problem) == 0, name,
               ": the C kernel rejected a problem that passed the checks");
-  return {weights, row_max, row_sum, out};
+  return LowbitOutputs{weights, row_max, row_sum, out};
+}
+
+}  // namespace
+
+// Integer: specache::lowbit_partial_attention_int8, the same contract with lowbit_int_cpu.c.
+template <bool integer>
+LowbitOutputs lowbit_partial_attention(
+    const at::Tensor &rows, const at::Tensor &k_packed, const at::Tensor &k_scale,
+    const at::Tensor &k_zero, const at::Tensor &v_packed, const at::Tensor &v_scale,
+    const at::Tensor &v_zero, int64_t bits, int64_t group, const at::Tensor &visible_len,
+    const at::Tensor &excluded_pos, const at::Tensor &excluded_valid) {
+  const char *name = integer ? "lowbit_partial_attention_int8" : "lowbit_partial_attention";
+  const std::optional<LowbitOutputs> outputs =
+      run_lowbit(integer ? lowbit_int8_kernel : lowbit_kernel, name, rows, k_packed, k_scale,
+                 k_zero, v_packed, v_scale, v_zero, bits, group, visible_len, excluded_pos,
+                 excluded_valid);
+  if (outputs) return *outputs;
+  static const auto reference = plain<decltype(lowbit_partial_attention<integer>)>(name);
+  return reference.call(rows, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group,
+                        visible_len, excluded_pos, excluded_valid);
+}
+
+// specache::lowbit_partial_attention_sparse: the same contract with v_mean, lowbit_sparse_cpu.c.
+SparseOutputs lowbit_partial_attention_sparse(
+    const at::Tensor &rows, const at::Tensor &k_packed, const at::Tensor &k_scale,
+    const at::Tensor &k_zero, const at::Tensor &v_packed, const at::Tensor &v_scale,
+    const at::Tensor &v_zero, const at::Tensor &v_mean, int64_t bits, int64_t group,
+    double min_weight, const at::Tensor &visible_len, const at::Tensor &excluded_pos,
+    const at::Tensor &excluded_valid) {
+  const char *name = "lowbit_partial_attention_sparse";
+  at::Tensor kept;
+  const std::optional<LowbitOutputs> outputs =
+      run_lowbit(lowbit_sparse_kernel, name, rows, k_packed, k_scale, k_zero, v_packed, v_scale,
+                 v_zero, bits, group, visible_len, excluded_pos, excluded_valid, &v_mean,
+                 min_weight, &kept);
+  if (outputs) {
+    const auto &[weights, row_max, row_sum, out] = *outputs;
+    return {weights, row_max, row_sum, out, kept};
+  }
+  static const auto reference = plain<decltype(lowbit_partial_attention_sparse)>(name);
+  return reference.call(rows, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, v_mean, bits,
+                        group, min_weight, visible_len, excluded_pos, excluded_valid);
 }
 
 template std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_partial_attention<false>(
@@ -294,6 +341,9 @@ void set_cpu_kernel(const std::string &name, int64_t address, int64_t problem_by
               problem_bytes);
   else if (name == "lowbit_partial_attention_int8")
     hand_over("specache", lowbit_int8_kernel, address, op, &lowbit_partial_attention<true>,
+              problem_bytes);
+  else if (name == "lowbit_partial_attention_sparse")
+    hand_over("specache", lowbit_sparse_kernel, address, op, &lowbit_partial_attention_sparse,
               problem_bytes);
   else
     TORCH_CHECK(false, "set_cpu_kernel: no C++ implementation of ", name);

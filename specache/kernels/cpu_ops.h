@@ -49,6 +49,9 @@ struct LowbitProblem {  // lowbit_cpu.c
   void *weights, *row_max, *row_sum, *out;
   int64_t batch, heads, m, d, t, k;
   int32_t bits, group, value_groups, bf16, threads;
+  const void *v_mean;  // the sparse pass's alone (lowbit_sparse_cpu.c), else NULL and 0
+  void *kept;
+  double min_weight;
 };
 
 using MergeKernel = int (*)(const MergeProblem *);
@@ -58,6 +61,7 @@ inline MergeKernel merge_kernel = nullptr;
 inline RankKernel rank_kernel = nullptr;
 inline LowbitKernel lowbit_kernel = nullptr;       // lowbit_cpu.c
 inline LowbitKernel lowbit_int8_kernel = nullptr;  // lowbit_int_cpu.c, the same struct
+inline LowbitKernel lowbit_sparse_kernel = nullptr;  // lowbit_sparse_cpu.c, the same struct
 
 // The op specache_plain::`name`: the plain-PyTorch definition of specache::`name`,
 // registered by cpu_ops.py, for the shapes a C kernel does not take.
@@ -74,12 +78,22 @@ inline int32_t dtype_code(at::ScalarType dtype) {
 }
 
 // specache::lowbit_partial_attention (integer: its _int8 twin), in cpu_ops.cpp.
+using LowbitOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 template <bool integer>
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_partial_attention(
+LowbitOutputs lowbit_partial_attention(
     const at::Tensor &rows_in, const at::Tensor &k_packed_in, const at::Tensor &k_scale_in,
     const at::Tensor &k_zero_in, const at::Tensor &v_packed_in, const at::Tensor &v_scale_in,
     const at::Tensor &v_zero_in, int64_t bits, int64_t group, const at::Tensor &visible_len_in,
     const at::Tensor &excluded_pos_in, const at::Tensor &excluded_valid_in);
+
+// specache::lowbit_partial_attention_sparse, in cpu_ops.cpp: weights, row_max, row_sum, out, kept.
+using SparseOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+SparseOutputs lowbit_partial_attention_sparse(
+    const at::Tensor &rows, const at::Tensor &k_packed, const at::Tensor &k_scale,
+    const at::Tensor &k_zero, const at::Tensor &v_packed, const at::Tensor &v_scale,
+    const at::Tensor &v_zero, const at::Tensor &v_mean, int64_t bits, int64_t group,
+    double min_weight, const at::Tensor &visible_len, const at::Tensor &excluded_pos,
+    const at::Tensor &excluded_valid);
 
 // Registers `impl` as the implementation of the op `ns`::`op` for CPU tensors, ahead of the Python
 // one (for the process's life).

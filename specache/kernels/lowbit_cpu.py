@@ -138,6 +138,9 @@ class _Problem(ctypes.Structure):
     _fields_ += [
         (name, ctypes.c_int32) for name in ("bits", "group", "value_groups", "bf16", "threads")
     ]
+    # the sparse pass's alone (lowbit_sparse_cpu.py), NULL and 0 for the others
+    _fields_ += [("v_mean", ctypes.c_void_p), ("kept", ctypes.c_void_p)]
+    _fields_ += [("min_weight", ctypes.c_double)]
 
 
 def build(flags: tuple[str, ...] = FLAGS) -> Path:
@@ -160,6 +163,16 @@ def run_kernel(
     function: str = "lowbit_partial_attention",
 ) -> Outputs:
     """Call the C kernel `function` of `lib` (a `load`ed build) on CPU tensors."""
+    problem, inputs, outputs = prepare(rows, kv, visible_len, excluded_pos, excluded_valid)
+    call(lib, function, problem)  # `inputs` alive until here
+    return outputs
+
+
+def prepare(
+    rows: Tensor, kv: LowBitKV, visible_len: Tensor, excluded_pos: Tensor, excluded_valid: Tensor
+) -> tuple[_Problem, list[Tensor], Outputs]:
+    """The checked arguments as a Problem, the contiguous inputs it points into (which must live
+    through the call) and the outputs it points to."""
     _check(rows, kv, visible_len, excluded_pos, excluded_valid)
     if rows.device.type != "cpu":
         raise ValueError(
@@ -202,9 +215,13 @@ def run_kernel(
         kv.k_scale.dtype == torch.bfloat16,
         torch.get_num_threads(),
     )
+    return problem, inputs, tuple(outputs)
+
+
+def call(lib: ctypes.CDLL, function: str, problem: _Problem) -> None:
+    """Run the C kernel `function` of `lib` on a `prepare`d problem."""
     if getattr(lib, function)(ctypes.byref(problem)) != 0:
         raise RuntimeError(f"{function}: the C kernel rejected a problem that passed the checks")
-    return tuple(outputs)
 
 
 def takes(rows: Tensor, bits: int, group: int) -> bool:
@@ -232,10 +249,13 @@ def _serve(lib: ctypes.CDLL, function: str, reference: Callable, *inputs) -> Out
     return reference(*inputs)
 
 
-def register_build(source: Path, function: str, reference: Callable, unavailable: str) -> bool:
+def register_build(
+    source: Path, function: str, reference: Callable, unavailable: str, serve: Callable = _serve
+) -> bool:
     """Build the C file `source` (once) and make its `function` serve the op specache::`function`
-    for CPU tensors (the float and the integer low-bit pass share inputs and layout); False, with
-    one warning saying `unavailable`, where it cannot (`reference` serves)."""
+    for CPU tensors (the low-bit passes share inputs and layout); False, with one warning saying
+    `unavailable`, where it cannot (`reference` serves). `serve`: the ctypes implementation where
+    the C++ dispatch does not build, called as `_serve` is."""
     if not cpu_build.enabled():
         return False
     lib = cpu_build.build_and_load(source, function, _Problem, unavailable)
@@ -243,7 +263,7 @@ def register_build(source: Path, function: str, reference: Callable, unavailable
         return False
     if not cpu_ops.hand_over(function, lib, reference):
         torch.library.register_kernel(
-            f"specache::{function}", "cpu", partial(_serve, lib, function, reference)
+            f"specache::{function}", "cpu", partial(serve, lib, function, reference)
         )
     return True
 

@@ -1,6 +1,6 @@
-/* What SpeCache's two CPU low-bit kernels share (lowbit_cpu.c, the float pass, and
-   lowbit_int_cpu.c, the integer one): the Problem struct, the split of a call into tasks,
-   the two phases around the softmax, and the transposition of key code words.
+/* What SpeCache's three CPU low-bit kernels share (lowbit_cpu.c, the float pass, lowbit_int_cpu.c,
+   the integer one, and lowbit_sparse_cpu.c, the sparse one): the Problem struct, the split of a
+   call into tasks, the two phases around the softmax, and the transposition of key code words.
 
    Work is split into tasks of (batch, head, chunk of positions), chosen without regard to the
    thread count, and a head's last task adds its tasks' sums in chunk order, so results do not
@@ -36,6 +36,10 @@ typedef struct {
     float *weights, *row_max, *row_sum, *out;  /* (B, H, M, T), (B, H, M), (B, H, M), (B, H, M, D) */
     int64_t batch, heads, m, d, t, k;
     int32_t bits, group, value_groups, bf16, threads;
+    /* the sparse pass's alone (lowbit_sparse_cpu.c; NULL and 0 for the others): */
+    const uint16_t *v_mean;                    /* (B, H, ceil(T/group), D) each key group's mean value */
+    uint8_t *kept;                             /* (B, H, T) bool, written: mixed by its own value */
+    double min_weight;                         /* a position is kept where some row weighs it this much */
 } Problem;
 
 /* sizeof(Problem): the struct's Python (ctypes) and C++ copies are held to it when they load */

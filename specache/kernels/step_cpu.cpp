@@ -38,8 +38,8 @@ using StepResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at
 StepResult step_attention(
     const at::Tensor &rows_in, const at::Tensor &k_packed, const at::Tensor &k_scale,
     const at::Tensor &k_zero, const at::Tensor &v_packed_in, const at::Tensor &v_scale_in,
-    const at::Tensor &v_zero_in, int64_t bits, int64_t group, bool integer,
-    const at::Tensor &quantized_len_in, const at::Tensor &fetched_k, const at::Tensor &fetched_v,
+    const at::Tensor &v_zero_in, const std::optional<at::Tensor> &v_mean_in, int64_t bits,
+    int64_t group, int64_t arithmetic, double min_weight, const at::Tensor &quantized_len_in, const at::Tensor &fetched_k, const at::Tensor &fetched_v,
     const at::Tensor &fetched_pos, const at::Tensor &fetched_valid, const at::Tensor &window_k_in,
     const at::Tensor &window_v_in, const at::Tensor &window_len_in, const at::Tensor &new_k_in,
     const at::Tensor &new_v_in, const at::Tensor &store_k_in, const at::Tensor &store_v_in,
@@ -55,8 +55,13 @@ StepResult step_attention(
   // the real row's candidates: its picks, or the shortlist's list of n x as many (at most T)
   const int64_t n_listed =
       shortlist > 0 && n_picks > 0 ? std::min(n_picks * shortlist, t) : n_picks;
+  // arithmetic indexes specache.config.ARITHMETICS: float, int8, sparse
+  const bool integer = arithmetic == 1, sparse = arithmetic == 2;
   bool fusable =
-      (integer ? lowbit_int8_kernel : lowbit_kernel) && merge_kernel && rank_kernel &&
+      (sparse ? lowbit_sparse_kernel && v_mean_in.has_value()
+              : arithmetic == 1 ? lowbit_int8_kernel != nullptr
+                                : arithmetic == 0 && lowbit_kernel) &&
+      merge_kernel && rank_kernel &&
       rows_in.dim() == 4 && rows_in.scalar_type() == at::kFloat && t > 0 && m >= 1 && m <= 64 &&
       s >= 1 && m % s == 0 && d % 16 == 0 && d >= 16 && d <= 256 && group % 8 == 0 &&
       (bits == 1 || bits == 2) && n_picks >= 0 && shortlist >= 0 && n_listed >= n_picks &&
@@ -91,10 +96,11 @@ StepResult step_attention(
   if (!fusable) {
     static const auto reference = plain<decltype(step_attention)>("step_attention");
     return reference.call(rows_in, k_packed, k_scale, k_zero, v_packed_in, v_scale_in, v_zero_in,
-                          bits, group, integer, quantized_len_in, fetched_k, fetched_v, fetched_pos,
-                          fetched_valid, window_k_in, window_v_in, window_len_in, new_k_in,
-                          new_v_in, store_k_in, store_v_in, n_picks, shortlist, discard_in, gqa_max,
-                          n_sinks, n_spec, selectable_len_in);
+                          v_mean_in, bits, group, arithmetic, min_weight, quantized_len_in,
+                          fetched_k, fetched_v, fetched_pos, fetched_valid, window_k_in,
+                          window_v_in, window_len_in, new_k_in, new_v_in, store_k_in, store_v_in,
+                          n_picks, shortlist, discard_in, gqa_max, n_sinks, n_spec,
+                          selectable_len_in);
   }
   const at::Tensor rows = rows_in.contiguous(), quantized_len = quantized_len_in.contiguous(),
                    selectable_len = selectable_len_in.contiguous(),
@@ -117,11 +123,18 @@ StepResult step_attention(
         ex[bh * slots + j] = ex[bh * slots + j] && pos[bh * slots + j] < qlen[bh / h] && !dropped;
       }
   }
-  auto [weights, row_max, row_sum, lowbit_out] =
-      (integer ? lowbit_partial_attention<true>
-               : lowbit_partial_attention<false>)(rows, k_packed, k_scale, k_zero, v_packed,
-                                                  v_scale, v_zero, bits, group, quantized_len,
-                                                  out_pos, exact);
+  const auto lowbit_pass = [&]() -> LowbitOutputs {
+    if (sparse) {  // which positions it mixed by value: the step has no use for them
+      auto [weights, row_max, row_sum, out, kept] = lowbit_partial_attention_sparse(
+          rows, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, *v_mean_in, bits, group,
+          min_weight, quantized_len, out_pos, exact);
+      return {weights, row_max, row_sum, out};
+    }
+    return (integer ? lowbit_partial_attention<true> : lowbit_partial_attention<false>)(
+        rows, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group, quantized_len,
+        out_pos, exact);
+  };
+  auto [weights, row_max, row_sum, lowbit_out] = lowbit_pass();
   TORCH_CHECK(weights.is_contiguous() && row_max.is_contiguous() && row_sum.is_contiguous() &&
                   lowbit_out.is_contiguous(),
               "step_attention: the low-bit pass returned strided tensors");
