@@ -46,7 +46,7 @@ class Method:
         choices=ARITHMETICS,
     )
     tau: float = setting(
-        8.0,
+        6.0,
         "sparse: a position whose low-bit weight is below e^-tau of the largest in every row of "
         "its KV head takes its key group's mean value; inf mixes every value",
     )
