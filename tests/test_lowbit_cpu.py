@@ -321,3 +321,32 @@ def test_bad_inputs_raise_value_error(native, corrupt):
         lowbit_partial_attention(*inputs)
     with pytest.raises(ValueError, match="lowbit_partial_attention"):
         lowbit_cpu.run_kernel(native, *inputs)
+
+
+@pytest.mark.parametrize("pass_name", ["float", "int8", "sparse"])
+@pytest.mark.parametrize("t, group", [(200, 64), (1000, 32), (20000, 64)])
+def test_every_pass_gives_the_step_each_rows_largest_weight_per_block(pass_name, t, group):
+    """The one-op step's rankings skip blocks by the low-bit pass's block_max (rank_cpu.c's
+    rank_bounded): every kernel writes each row's largest weight per block of 64 positions,
+    equal to the weights' own (0 past what is visible, and where nothing is), whatever the tasks
+    and threads; a bound below a block's weights would make the step choose other positions."""
+    from specache.kernels import lowbit_int_cpu, lowbit_sparse_cpu
+    from specache.sparse import value_means
+
+    module = {"float": lowbit_cpu, "int8": lowbit_int_cpu, "sparse": lowbit_sparse_cpu}[pass_name]
+    function = "lowbit_partial_attention" if pass_name == "float" else module.FUNCTION
+    lib = module.load(module.build())
+    rows, kv, visible_len, pos, valid = problem(t=t, group=group)
+    problem_, inputs, outputs = lowbit_cpu.prepare(rows, kv, visible_len, pos, valid)
+    kept = torch.empty(kv.k_packed.shape[:3], dtype=torch.bool)
+    v_mean = value_means(*kv[3:6], kv.bits, kv.group)
+    if pass_name == "sparse":
+        problem_.v_mean, problem_.kept = v_mean.data_ptr(), kept.data_ptr()
+        problem_.min_weight = 0.01
+    block_max = torch.full(rows.shape[:3] + (-(-t // 64),), float("nan"))
+    problem_.block_max = block_max.data_ptr()
+    torch.set_num_threads(2)
+    lowbit_cpu.call(lib, function, problem_)
+    weights = outputs[0]
+    expected = torch.nn.functional.pad(weights, (0, -t % 64)).unflatten(-1, (-1, 64)).amax(-1)
+    assert torch.equal(block_max, expected)

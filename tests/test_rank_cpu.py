@@ -261,3 +261,97 @@ def test_a_copy_of_the_problem_struct_that_disagrees_is_refused(native):
     with pytest.raises(RuntimeError, match="must agree field for field"):
         torch.ops.specache.set_cpu_kernel("top_positions", address, native.problem_bytes() + 8)
     torch.ops.specache.set_cpu_kernel("top_positions", address, native.problem_bytes())
+
+
+def block_maxima(weights, inflate=1.0):
+    """(B, Hkv, M, ceil(T/64)): each row's largest weight per block of 64 positions, as the one-op
+    step's low-bit pass writes it (`inflate` > 1: a looser bound, still a bound)."""
+    t = weights.shape[-1]
+    padded = torch.nn.functional.pad(weights, (0, -t % 64))
+    return padded.unflatten(-1, (-1, 64)).amax(-1) * inflate
+
+
+def peaked(inputs, seed=1):
+    """Most weight on a few positions, as at long context: small low-bit weights elsewhere,
+    probabilities of the fetched slots and the window large enough to matter."""
+    g = torch.Generator().manual_seed(seed)
+    weights = inputs["weights"] ** 8 * 1e-3
+    heavy = torch.randint(0, weights.shape[-1], (40,), generator=g)
+    weights[..., heavy] = torch.rand(weights.shape[:-1] + (40,), generator=g)
+    return dict(inputs, weights=weights)
+
+
+@pytest.mark.parametrize("gqa_max", [True, False])
+@pytest.mark.parametrize("k", [1, 32, 256])
+@pytest.mark.parametrize("kind", ["peaked", "flat", "ties"])
+@pytest.mark.parametrize("inflate", [1.0, 4.0])
+def test_block_bounds_choose_what_the_whole_ranking_chooses(native, gqa_max, k, kind, inflate):
+    """With each row's largest weight per block (the one-op step's), the kernel skips the blocks
+    whose bound is below its heap's root: the same positions in the same order, torch.equal, on
+    peaked and flat rankings and on ties (a bound equal to the root must not end the scan: a tie
+    at an earlier position wins), with the fetched slots' and the window's probabilities."""
+    inputs = problem(b=2, h=3, g=3, s=2, t=5000, n_fetched=68, n_window=128, n_excluded=68)
+    if kind == "peaked":
+        inputs = peaked(inputs)
+    if kind == "ties":
+        inputs["weights"] = (inputs["weights"] * 4).floor() / 4
+        inputs["p_fetched"].zero_()
+        inputs["p_window"].zero_()
+    upper = torch.tensor([4000, 5000])
+    for row in (0, 1):
+        ordered = [
+            dict(inputs, s=2, row=row, gqa_max=gqa_max, lower=4, upper=upper, k=k)[name]
+            for name in (
+                "weights", "scale", "p_fetched", "fetched_pos", "p_window", "window_start", "s",
+                "row", "gqa_max", "lower", "upper", "excluded_pos", "excluded_valid", "k",
+            )
+        ]  # fmt: skip
+        whole = rank_cpu.run_kernel(native, *ordered)
+        bounded = rank_cpu.run_kernel(
+            native, *ordered, block_max=block_maxima(inputs["weights"], inflate)
+        )
+        assert torch.equal(whole[0], bounded[0]) and torch.equal(whole[1], bounded[1])
+        if kind != "ties":  # torch's topk orders ties as it likes; the kernel by position
+            assert_same_choice(bounded, top_positions_reference(*ordered))
+
+
+def test_a_bound_below_a_blocks_weights_changes_the_choice(native):
+    """The test above can fail: a block_max that understates a block (half its largest weight)
+    makes the kernel skip positions it should choose."""
+    inputs = peaked(problem(b=1, h=1, g=3, s=2, t=5000, n_fetched=8, n_window=16))
+    ordered = [
+        dict(inputs, s=2, row=0, gqa_max=True, lower=0, upper=torch.tensor([5000]), k=32)[name]
+        for name in (
+            "weights", "scale", "p_fetched", "fetched_pos", "p_window", "window_start", "s",
+            "row", "gqa_max", "lower", "upper", "excluded_pos", "excluded_valid", "k",
+        )
+    ]  # fmt: skip
+    whole = rank_cpu.run_kernel(native, *ordered)
+    understated = rank_cpu.run_kernel(
+        native, *ordered, block_max=block_maxima(inputs["weights"], 0.5)
+    )
+    assert not torch.equal(whole[0], understated[0])
+
+
+def test_a_block_whose_bound_ties_the_root_is_still_read(native):
+    """Ties go to the earlier position: a block whose bound equals the heap's root can hold a
+    tie that wins (here the loose bound of block 5 puts it first, and block 2's tie at position
+    130 must replace its 330). A scan that stopped at a bound equal to the root fails."""
+    inputs = problem(b=1, h=1, g=1, s=1, t=640, n_fetched=4, n_window=4, n_excluded=2)
+    inputs["weights"] = torch.full((1, 1, 1, 640), 0.1)
+    inputs["weights"][..., [130, 330]] = 0.75
+    inputs["scale"] = torch.ones(1, 1, 1, 1)
+    inputs["p_fetched"].zero_()
+    inputs["p_window"].zero_()
+    inputs["excluded_valid"].zero_()
+    bounds = block_maxima(inputs["weights"])
+    bounds[..., 5] = 1.0  # still a bound on block 5
+    ordered = [
+        dict(inputs, s=1, row=0, gqa_max=True, lower=0, upper=torch.tensor([640]), k=1)[name]
+        for name in (
+            "weights", "scale", "p_fetched", "fetched_pos", "p_window", "window_start", "s",
+            "row", "gqa_max", "lower", "upper", "excluded_pos", "excluded_valid", "k",
+        )
+    ]  # fmt: skip
+    indices, valid = rank_cpu.run_kernel(native, *ordered, block_max=bounds)
+    assert valid.all() and indices.flatten().tolist() == [130]

@@ -112,15 +112,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_seg
 
 // The low-bit passes' common arguments checked (the checks guard the kernels' reads and writes;
 // lowbit_cpu.py's _check states the whole contract) and run by `kernel`; with `kept` given, the
-// sparse pass's v_mean and min_weight too, and its kept allocated (else NULL and 0). nullopt for
-// a shape the C kernels do not take.
+// sparse pass's v_mean and min_weight too, and its kept allocated (else NULL and 0); with
+// `block_max` given, each row's largest weight per block written there. nullopt for a shape the
+// C kernels do not take.
 std::optional<LowbitOutputs> run_lowbit(
     LowbitKernel kernel, const char *name, const at::Tensor &rows_in, const at::Tensor &k_packed_in,
     const at::Tensor &k_scale_in, const at::Tensor &k_zero_in, const at::Tensor &v_packed_in,
     const at::Tensor &v_scale_in, const at::Tensor &v_zero_in, int64_t bits, int64_t group,
     const at::Tensor &visible_len_in, const at::Tensor &excluded_pos_in,
     const at::Tensor &excluded_valid_in, const at::Tensor *v_mean_in = nullptr,
-    double min_weight = 0.0, at::Tensor *kept = nullptr) {
+    double min_weight = 0.0, at::Tensor *kept = nullptr, float *block_max = nullptr) {
   TORCH_CHECK(kernel, name, ": the C kernel was not handed over");
   TORCH_CHECK_VALUE(rows_in.dim() == 4 && rows_in.scalar_type() == at::kFloat,
                     "lowbit_partial_attention: rows must be (B, Hkv, M, D) float32");
@@ -201,6 +202,7 @@ std::optional<LowbitOutputs> run_lowbit(
     problem.kept = kept->data_ptr();
     problem.min_weight = min_weight;
   }
+  problem.block_max = block_max;
   TORCH_CHECK(kernel(&problem) == 0, name,
               ": the C kernel rejected a problem that passed the checks");
   return LowbitOutputs{weights, row_max, row_sum, out};
@@ -246,6 +248,22 @@ SparseOutputs lowbit_partial_attention_sparse(
   static const auto reference = plain<decltype(lowbit_partial_attention_sparse)>(name);
   return reference.call(rows, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, v_mean, bits,
                         group, min_weight, visible_len, excluded_pos, excluded_valid);
+}
+
+std::optional<LowbitOutputs> lowbit_pass_for_step(
+    int64_t arithmetic, const at::Tensor &rows, const at::Tensor &k_packed,
+    const at::Tensor &k_scale, const at::Tensor &k_zero, const at::Tensor &v_packed,
+    const at::Tensor &v_scale, const at::Tensor &v_zero, const at::Tensor *v_mean, int64_t bits,
+    int64_t group, double min_weight, const at::Tensor &visible_len,
+    const at::Tensor &excluded_pos, const at::Tensor &excluded_valid, float *block_max) {
+  const LowbitKernel kernels[] = {lowbit_kernel, lowbit_int8_kernel, lowbit_sparse_kernel};
+  const char *names[] = {"lowbit_partial_attention", "lowbit_partial_attention_int8",
+                         "lowbit_partial_attention_sparse"};
+  at::Tensor kept;  // the sparse pass writes it; the step has no use for it
+  return run_lowbit(kernels[arithmetic], names[arithmetic], rows, k_packed, k_scale, k_zero,
+                    v_packed, v_scale, v_zero, bits, group, visible_len, excluded_pos,
+                    excluded_valid, arithmetic == 2 ? v_mean : nullptr, min_weight,
+                    arithmetic == 2 ? &kept : nullptr, block_max);
 }
 
 template std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lowbit_partial_attention<false>(

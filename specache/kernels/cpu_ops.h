@@ -41,6 +41,7 @@ struct RankProblem {  // rank_cpu.c
   void *indices, *valid;
   int64_t batch, heads, m, t, n_fetched, n_window, n_excluded, k, lower;
   int32_t s, row, max_over_heads, threads;
+  const void *block_max;  // the one-op step's alone: the low-bit pass's largest weight per block
 };
 
 struct LowbitProblem {  // lowbit_cpu.c
@@ -52,6 +53,7 @@ struct LowbitProblem {  // lowbit_cpu.c
   const void *v_mean;  // the sparse pass's alone (lowbit_sparse_cpu.c), else NULL and 0
   void *kept;
   double min_weight;
+  float *block_max;  // the one-op step's alone (lowbit_pass_for_step), else NULL
 };
 
 using MergeKernel = int (*)(const MergeProblem *);
@@ -94,6 +96,17 @@ SparseOutputs lowbit_partial_attention_sparse(
     const at::Tensor &v_zero, const at::Tensor &v_mean, int64_t bits, int64_t group,
     double min_weight, const at::Tensor &visible_len, const at::Tensor &excluded_pos,
     const at::Tensor &excluded_valid);
+
+// The low-bit pass of the one-op step (arithmetic: specache.config.ARITHMETICS' index), which
+// also writes each row's largest weight per block of 64 positions into `block_max` (B, Hkv, M,
+// ceil(T/64)), the bound the step's rankings skip blocks by; nullopt for a shape the C kernels do
+// not take. In cpu_ops.cpp.
+std::optional<LowbitOutputs> lowbit_pass_for_step(
+    int64_t arithmetic, const at::Tensor &rows, const at::Tensor &k_packed,
+    const at::Tensor &k_scale, const at::Tensor &k_zero, const at::Tensor &v_packed,
+    const at::Tensor &v_scale, const at::Tensor &v_zero, const at::Tensor *v_mean, int64_t bits,
+    int64_t group, double min_weight, const at::Tensor &visible_len,
+    const at::Tensor &excluded_pos, const at::Tensor &excluded_valid, float *block_max);
 
 // Registers `impl` as the implementation of the op `ns`::`op` for CPU tensors, ahead of the Python
 // one (for the process's life).

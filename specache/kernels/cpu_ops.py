@@ -83,10 +83,10 @@ _PLAIN = torch.library.Library("specache_plain", "FRAGMENT")
 
 def hand_over(op: str, lib: ctypes.CDLL, fallback: Optional[Callable] = None) -> bool:
     """Register the C++ implementation of `op` (merge_segments, lowbit_partial_attention, its
-    _int8 and _sparse twins, or top_positions) around the C kernel of that name in `lib` (a loaded build);
-    False where it cannot be built (the Python implementation serves). `fallback`: the op's
-    plain-PyTorch definition, which the C++ implementation calls, as the op specache_plain::`op`,
-    for shapes the C kernel does not take."""
+    _int8 and _sparse twins, or top_positions) around the C kernel of that name in `lib` (a
+    loaded build); False where it cannot be built (the Python implementation serves).
+    `fallback`: the op's plain-PyTorch definition, which the C++ implementation calls, as the op
+    specache_plain::`op`, for shapes the C kernel does not take."""
     if not loaded():
         return False
     if fallback is not None:

@@ -141,6 +141,8 @@ class _Problem(ctypes.Structure):
     # the sparse pass's alone (lowbit_sparse_cpu.py), NULL and 0 for the others
     _fields_ += [("v_mean", ctypes.c_void_p), ("kept", ctypes.c_void_p)]
     _fields_ += [("min_weight", ctypes.c_double)]
+    # the one-op step's alone (step_cpu.cpp): each row's largest weight per block; NULL here
+    _fields_ += [("block_max", ctypes.c_void_p)]
 
 
 def build(flags: tuple[str, ...] = FLAGS) -> Path:

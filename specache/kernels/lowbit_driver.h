@@ -24,6 +24,7 @@
 #define MAX_D 256        /* largest head_dim (bounds the stack buffers); the Python wrapper checks it */
 #define MIN_WORK 8192    /* token-rows per thread, at least: waking a thread costs microseconds */
 #define TASKS 32         /* tasks per call to aim for */
+#define RANK_BLOCK 64    /* positions per block of `block_max`, rank_cpu.c's BLOCK */
 
 typedef struct {
     const float *rows;                         /* (B, H, M, D), already scaled by D**-0.5 */
@@ -40,6 +41,8 @@ typedef struct {
     const uint16_t *v_mean;                    /* (B, H, ceil(T/group), D) each key group's mean value */
     uint8_t *kept;                             /* (B, H, T) bool, written: mixed by its own value */
     double min_weight;                         /* a position is kept where some row weighs it this much */
+    /* optional, NULL in the ops' calls: the one-op step's ranking bounds whole blocks by it */
+    float *block_max; /* (B, H, M, ceil(T/RANK_BLOCK)): each row's largest weight per block */
 } Problem;
 
 /* sizeof(Problem): the struct's Python (ctypes) and C++ copies are held to it when they load */
@@ -132,6 +135,17 @@ static void score_chunk(const Problem *p, ScoreFn score, int64_t bh, int64_t c0,
     }
 }
 
+/* Each row's largest weight in each block of [s0, s1) (s0 a multiple of RANK_BLOCK; weights past
+   s1 in its last block are 0), while the sub-chunk's weights are in L1. */
+static void block_maxima(const Problem *p, int64_t bh, int64_t s0, int64_t s1) {
+    const int64_t blocks = (p->t + RANK_BLOCK - 1) / RANK_BLOCK;
+    for (int64_t m = 0; m < p->m; m++) {
+        const float *w = p->weights + (bh * p->m + m) * p->t;
+        for (int64_t a = s0; a < s1; a += RANK_BLOCK)
+            p->block_max[(bh * p->m + m) * blocks + a / RANK_BLOCK] = max_of(w + a, min64(a + RANK_BLOCK, s1) - a, 0.0f);
+    }
+}
+
 /* Phase 2 for positions [c0, c1) of head bh, given the rows' maxima top[M]: weights in place,
    their sums into sum[M] and the weighted values into acc[M][D] (both zeroed here). */
 static void mix_chunk(const Problem *p, MixFn mix, int64_t bh, int64_t c0, int64_t c1, const float *top,
@@ -148,8 +162,13 @@ static void mix_chunk(const Problem *p, MixFn mix, int64_t bh, int64_t c0, int64
         const int64_t s1 = min64(s0 + SUB, end);
         for (int64_t m = 0; m < p->m; m++)
             if (top[m] != -INFINITY) sum[m] += exp_sum(p->weights + (bh * p->m + m) * p->t + s0, s1 - s0, top[m]);
+        if (p->block_max) block_maxima(p, bh, s0, s1);
         mix(p, bh, s0, s1, acc);
     }
+    if (p->block_max) /* the chunk's blocks past what is visible: all weights 0 */
+        for (int64_t m = 0; m < p->m; m++)
+            for (int64_t blk = (end > c0 ? end + RANK_BLOCK - 1 : c0) / RANK_BLOCK; blk * RANK_BLOCK < c1; blk++)
+                p->block_max[(bh * p->m + m) * ((p->t + RANK_BLOCK - 1) / RANK_BLOCK) + blk] = 0.0f;
 }
 
 /* row_max, row_sum and out of head bh from its chunks' partial results, in chunk order */

@@ -16,7 +16,11 @@
      finds a floor that the k-th best reaches; positions below it never enter the heap, which
      would otherwise take thousands of replacements on a flat ranking.
    - Positions the call excludes, and positions outside the range, are never chosen. Fewer
-     candidates than k leave the last entries at position 0, marked invalid. */
+     candidates than k leave the last entries at position 0, marked invalid.
+   - Given each row's largest low-bit weight per block of BLOCK positions (block_max, which the
+     one-op step's low-bit pass writes as it exponentiates), it need not build the whole ranking:
+     a bound per block says which blocks cannot beat the full heap's root, and those are never
+     read (rank_bounded). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -39,6 +43,7 @@ typedef struct {
     uint8_t *valid;               /* (B, Hkv, k) out */
     int64_t batch, heads, m, t, n_fetched, n_window, n_excluded, k, lower;
     int32_t s, row, max_over_heads, threads;
+    const float *block_max;       /* (B, Hkv, M, ceil(T / BLOCK)) or NULL: see rank_bounded */
 } Problem;
 
 /* sizeof(Problem): the struct's Python (ctypes) and C++ copies are held to it when they load */
@@ -122,6 +127,22 @@ static void query_head_row(const Problem *p, int64_t b, int64_t h, int64_t mi, i
     }
 }
 
+/* The heap's `size` entries, best first, into KV head bh's output; the rest invalid, at 0. */
+static void write_top(const Problem *p, int64_t bh, Entry *heap, int64_t size) {
+    int64_t *indices = p->indices + bh * p->k;
+    uint8_t *valid = p->valid + bh * p->k;
+    for (int64_t j = size - 1; j >= 0; j--) {  /* popping the worst first fills the output from its end */
+        indices[j] = heap[0].pos;
+        valid[j] = 1;
+        heap[0] = heap[j];
+        sift_down(heap, j, 0);
+    }
+    for (int64_t j = size; j < p->k; j++) {
+        indices[j] = 0;
+        valid[j] = 0;
+    }
+}
+
 static int rank_one(const Problem *p, int64_t b, int64_t h, float *ranking, float *row, Entry *heap) {
     const int64_t lo = p->lower < 0 ? 0 : p->lower;
     int64_t hi = p->upper[b] < p->t ? p->upper[b] : p->t;
@@ -168,19 +189,147 @@ static int rank_one(const Problem *p, int64_t b, int64_t h, float *ranking, floa
             }
         }
     }
-    int64_t *indices = p->indices + bh * p->k;
-    uint8_t *valid = p->valid + bh * p->k;
-    for (int64_t j = size - 1; j >= 0; j--) {  /* popping the worst first fills the output from its end */
-        indices[j] = heap[0].pos;
-        valid[j] = 1;
-        heap[0] = heap[j];
-        sift_down(heap, j, 0);
-    }
-    for (int64_t j = size; j < p->k; j++) {
-        indices[j] = 0;
-        valid[j] = 0;
-    }
+    write_top(p, bh, heap, size);
     return 0;
+}
+
+/* The fetched and window probabilities that fall in [lo, hi), by block of BLOCK positions from
+   lo / BLOCK, each block's in the order query_head_row adds them (fetched slot by slot, then the
+   window): at[i] is the position, from[i] its slot (>= 0) or -1 - its window offset, and the
+   block's entries are first[b] .. first[b + 1]. */
+typedef struct {
+    int64_t *at, *from, *first;
+} Extras;
+
+static int extras_by_block(const Problem *p, int64_t b, int64_t h, int64_t lo, int64_t hi, int64_t blocks,
+                           Extras *x) {
+    const int64_t bh = b * p->heads + h, n = p->n_fetched + p->n_window, base = lo / BLOCK;
+    x->at = malloc(sizeof(int64_t) * (n > 0 ? n : 1));
+    x->from = malloc(sizeof(int64_t) * (n > 0 ? n : 1));
+    x->first = calloc(blocks + 1, sizeof(int64_t));
+    int64_t *next = malloc(sizeof(int64_t) * (blocks + 1));
+    if (!x->at || !x->from || !x->first || !next) {
+        free(next);
+        return 1;
+    }
+    for (int pass = 0; pass < 2; pass++) { /* count, then place: a stable bucket sort */
+        for (int64_t e = 0; e < n; e++) {
+            int64_t pos;
+            if (e < p->n_fetched) {
+                pos = p->fetched_pos[bh * p->n_fetched + e];
+                pos = pos < 0 ? 0 : pos > p->t - 1 ? p->t - 1 : pos;
+            } else {
+                pos = p->window_start[b] + e - p->n_fetched;
+                if (pos >= p->t) continue;
+            }
+            if (pos < lo || pos >= hi) continue;
+            const int64_t blk = pos / BLOCK - base;
+            if (pass == 0) {
+                x->first[blk + 1]++;
+            } else {
+                x->at[next[blk]] = pos;
+                x->from[next[blk]++] = e < p->n_fetched ? e : -1 - (e - p->n_fetched);
+            }
+        }
+        if (pass == 0) {
+            for (int64_t blk = 0; blk < blocks; blk++) x->first[blk + 1] += x->first[blk];
+            memcpy(next, x->first, sizeof(int64_t) * (blocks + 1));
+        }
+    }
+    free(next);
+    return 0;
+}
+
+static inline float extra_of(const Problem *p, int64_t bhm, int64_t from) {
+    return from >= 0 ? p->p_fetched[bhm * p->n_fetched + from] : p->p_window[bhm * p->n_window - 1 - from];
+}
+
+/* rank_one with block_max: the same k positions, found by reading only the blocks that can hold
+   them. A block's bound is what query_head_row and rank_one compute for a position of weight
+   block_max in every query head, plus every probability added in the block, in the same order:
+   float products, sums and maxima are monotone in each operand and adding a non-negative term
+   never lowers a sum, so no position of the block ranks above it (the step's drop only lowers
+   weights after block_max was taken). Once the heap is full, a block whose bound is below its
+   root is skipped unread; the blocks whose bounds reach the k-th largest bound go first, so that
+   the root rises early (a full sort of the bounds cost more than it saved). The heap's order is
+   total, so the result is rank_one's. */
+static int rank_bounded(const Problem *p, int64_t b, int64_t h, Entry *heap) {
+    const int64_t lo = p->lower < 0 ? 0 : p->lower;
+    int64_t hi = p->upper[b] < p->t ? p->upper[b] : p->t;
+    if (hi < lo) hi = lo;
+    const int64_t groups = p->m / p->s, bh = b * p->heads + h, all_blocks = (p->t + BLOCK - 1) / BLOCK;
+    const int64_t base = lo / BLOCK, blocks = hi > lo ? (hi - 1) / BLOCK - base + 1 : 0;
+    Extras x = {0};
+    float *bounds = malloc(sizeof(float) * (blocks > 0 ? blocks : 1));
+    uint8_t *excluded = calloc(blocks * BLOCK + 1, 1);
+    int failed = !bounds || !excluded || extras_by_block(p, b, h, lo, hi, blocks, &x);
+    if (!failed) {
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t bhm = bh * p->m + g * p->s + p->row;
+            const float sc = p->scale[bhm];
+            for (int64_t blk = 0; blk < blocks; blk++) {
+                float bound = p->block_max[bhm * all_blocks + base + blk] * sc;
+                for (int64_t e = x.first[blk]; e < x.first[blk + 1]; e++) bound += extra_of(p, bhm, x.from[e]);
+                if (g == 0)
+                    bounds[blk] = bound;
+                else if (p->max_over_heads)
+                    bounds[blk] = bound > bounds[blk] ? bound : bounds[blk];
+                else
+                    bounds[blk] += bound;
+            }
+        }
+        if (!p->max_over_heads)
+            for (int64_t blk = 0; blk < blocks; blk++) bounds[blk] /= (float)groups;
+        for (int64_t j = 0; j < p->n_excluded; j++) {
+            const int64_t pos = p->excluded_pos[bh * p->n_excluded + j];
+            if (p->excluded_valid[bh * p->n_excluded + j] && pos >= lo && pos < hi) excluded[pos - base * BLOCK] = 1;
+        }
+        int64_t size = 0;
+        float values[BLOCK], row[BLOCK];
+        /* first the blocks whose bound reaches the k-th largest bound (their best positions fill
+           the heap high), then the others that can still beat its root; each from the most
+           recent back, as rank_one */
+        const float first_floor = radix_floor(bounds, blocks, p->k < blocks ? p->k : blocks);
+        for (int phase = 0; phase < 2; phase++)
+            for (int64_t blk = blocks - 1; blk >= 0 && p->k > 0; blk--) {
+                if ((bounds[blk] >= first_floor) != (phase == 0)) continue;
+                if (size == p->k && bounds[blk] < heap[0].value) continue;
+                const int64_t a = (base + blk) * BLOCK > lo ? (base + blk) * BLOCK : lo;
+                const int64_t e = (base + blk + 1) * BLOCK < hi ? (base + blk + 1) * BLOCK : hi;
+                for (int64_t g = 0; g < groups; g++) { /* query_head_row and rank_one on this block */
+                    const int64_t bhm = bh * p->m + g * p->s + p->row;
+                    const float *w = p->weights + bhm * p->t, sc = p->scale[bhm];
+                    float *target = g == 0 ? values : row;
+                    for (int64_t i = a; i < e; i++) target[i - a] = w[i] * sc;
+                    for (int64_t x_ = x.first[blk]; x_ < x.first[blk + 1]; x_++)
+                        target[x.at[x_] - a] += extra_of(p, bhm, x.from[x_]);
+                    if (g == 0) continue;
+                    if (p->max_over_heads)
+                        for (int64_t i = 0; i < e - a; i++) values[i] = row[i] > values[i] ? row[i] : values[i];
+                    else
+                        for (int64_t i = 0; i < e - a; i++) values[i] += row[i];
+                }
+                for (int64_t i = a; i < e; i++) {
+                    const float value = p->max_over_heads ? values[i - a] : values[i - a] / (float)groups;
+                    if (excluded[i - base * BLOCK] || !(value >= 0.0f)) continue;
+                    const Entry entry = {value, i};
+                    if (size < p->k) {
+                        heap[size] = entry;
+                        sift_up(heap, size++);
+                    } else if (worse(heap[0], entry)) {
+                        heap[0] = entry;
+                        sift_down(heap, size, 0);
+                    }
+                }
+            }
+        write_top(p, bh, heap, size);
+    }
+    free(x.at);
+    free(x.from);
+    free(x.first);
+    free(bounds);
+    free(excluded);
+    return failed;
 }
 
 int top_positions(const Problem *p) {
@@ -197,6 +346,8 @@ int top_positions(const Problem *p) {
         Entry *heap = malloc(sizeof(Entry) * (p->k > 0 ? p->k : 1));
         if (!buffers || !heap)
             failed |= 1;
+        else if (p->block_max)
+            failed |= rank_bounded(p, task / p->heads, task % p->heads, heap);
         else
             failed |= rank_one(p, task / p->heads, task % p->heads, buffers, buffers + span, heap);
         free(buffers);

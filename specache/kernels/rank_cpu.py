@@ -23,6 +23,7 @@ gcc it returns False and the reference serves; SPECACHE_NO_CPU_KERNEL=1 forces t
 import ctypes
 from functools import lru_cache, partial
 from pathlib import Path
+from typing import Optional
 from types import SimpleNamespace
 
 import torch
@@ -136,6 +137,9 @@ class _Problem(ctypes.Structure):
         )
     ]
     _fields_ += [(name, ctypes.c_int32) for name in ("s", "row", "max_over_heads", "threads")]
+    # (B, Hkv, M, ceil(T / BLOCK)) float32 or NULL: each row's largest low-bit weight per block,
+    # which the one-op step passes and the op leaves NULL (tests pass it: `run_kernel`)
+    _fields_ += [("block_max", ctypes.c_void_p)]
 
 
 def build(flags: tuple[str, ...] = cpu_build.FLAGS) -> Path:
@@ -146,9 +150,11 @@ def load(path: Path) -> ctypes.CDLL:
     return cpu_build.load(path, "top_positions", _Problem)
 
 
-def run_kernel(lib: ctypes.CDLL, *inputs) -> Outputs:
+def run_kernel(lib: ctypes.CDLL, *inputs, block_max: Optional[Tensor] = None) -> Outputs:
     """Call the C kernel of `lib` (a `load`ed build) on CPU tensors: specache::top_positions's
-    arguments, in its order."""
+    arguments, in its order; with `block_max` (B, Hkv, M, ceil(T / 64)), at least each row's
+    largest weight per block of 64 positions, as the one-op step passes it (the result is the
+    same, found by skipping blocks)."""
     a = arguments(top_positions_reference, inputs)
     _check(a)
     if a.weights.device.type != "cpu":
@@ -161,6 +167,7 @@ def run_kernel(lib: ctypes.CDLL, *inputs) -> Outputs:
     tensors = [x.contiguous() for x in pointed]  # the struct's pointers, in its order
     indices = torch.empty(b, h, a.k, dtype=torch.int64)
     valid = torch.empty(b, h, a.k, dtype=torch.bool)
+    bounds = None if block_max is None else block_max.float().contiguous()
     problem = _Problem(
         *(x.data_ptr() for x in tensors),
         indices.data_ptr(),
@@ -178,6 +185,7 @@ def run_kernel(lib: ctypes.CDLL, *inputs) -> Outputs:
         a.row,
         a.gqa_max,
         torch.get_num_threads(),
+        None if bounds is None else bounds.data_ptr(),
     )
     if lib.top_positions(ctypes.byref(problem)) != 0:
         raise RuntimeError("rank_cpu.c rejected a problem that passed the checks")

@@ -56,15 +56,13 @@ StepResult step_attention(
   const int64_t n_listed =
       shortlist > 0 && n_picks > 0 ? std::min(n_picks * shortlist, t) : n_picks;
   // arithmetic indexes specache.config.ARITHMETICS: float, int8, sparse
-  const bool integer = arithmetic == 1, sparse = arithmetic == 2;
+  const LowbitKernel passes[] = {lowbit_kernel, lowbit_int8_kernel, lowbit_sparse_kernel};
   bool fusable =
-      (sparse ? lowbit_sparse_kernel && v_mean_in.has_value()
-              : arithmetic == 1 ? lowbit_int8_kernel != nullptr
-                                : arithmetic == 0 && lowbit_kernel) &&
-      merge_kernel && rank_kernel &&
+      arithmetic >= 0 && arithmetic <= 2 && passes[arithmetic] &&
+      (arithmetic != 2 || v_mean_in.has_value()) && merge_kernel && rank_kernel &&
       rows_in.dim() == 4 && rows_in.scalar_type() == at::kFloat && t > 0 && m >= 1 && m <= 64 &&
       s >= 1 && m % s == 0 && d % 16 == 0 && d >= 16 && d <= 256 && group % 8 == 0 &&
-      (bits == 1 || bits == 2) && n_picks >= 0 && shortlist >= 0 && n_listed >= n_picks &&
+      group <= (1 << 20) && (bits == 1 || bits == 2) && n_picks >= 0 && shortlist >= 0 && n_listed >= n_picks &&
       n_spec >= 0 && n_sinks >= 0 && n_sinks + n_spec <= slots &&
       (n_picks == 0 || n_picks >= slots - n_sinks - (discard_in ? 0 : n_spec)) &&  // else it raises
       v_packed_in.dim() == 4 && v_scale_in.dim() == 4 && v_scale_in.size(3) > 0 &&
@@ -123,18 +121,16 @@ StepResult step_attention(
         ex[bh * slots + j] = ex[bh * slots + j] && pos[bh * slots + j] < qlen[bh / h] && !dropped;
       }
   }
-  const auto lowbit_pass = [&]() -> LowbitOutputs {
-    if (sparse) {  // which positions it mixed by value: the step has no use for them
-      auto [weights, row_max, row_sum, out, kept] = lowbit_partial_attention_sparse(
-          rows, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, *v_mean_in, bits, group,
-          min_weight, quantized_len, out_pos, exact);
-      return {weights, row_max, row_sum, out};
-    }
-    return (integer ? lowbit_partial_attention<true> : lowbit_partial_attention<false>)(
-        rows, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero, bits, group, quantized_len,
-        out_pos, exact);
-  };
-  auto [weights, row_max, row_sum, lowbit_out] = lowbit_pass();
+  // each row's largest low-bit weight per block of 64 positions: the rankings skip the blocks
+  // that cannot hold a choice (rank_cpu.c's rank_bounded)
+  const int64_t n_blocks = (t + 63) / 64;
+  at::Tensor block_max = at::empty({b, h, m, n_blocks}, rows.options());
+  std::optional<LowbitOutputs> pass = lowbit_pass_for_step(
+      arithmetic, rows, k_packed, k_scale, k_zero, v_packed, v_scale, v_zero,
+      v_mean_in ? &*v_mean_in : nullptr, bits, group, min_weight, quantized_len, out_pos, exact,
+      block_max.data_ptr<float>());
+  TORCH_CHECK(pass, "step_attention: the low-bit kernel refused a shape the step let through");
+  auto [weights, row_max, row_sum, lowbit_out] = *pass;
   TORCH_CHECK(weights.is_contiguous() && row_max.is_contiguous() && row_sum.is_contiguous() &&
                   lowbit_out.is_contiguous(),
               "step_attention: the low-bit pass returned strided tensors");
@@ -219,7 +215,8 @@ StepResult step_attention(
                         static_cast<int32_t>(s),
                         static_cast<int32_t>(row),
                         gqa_max ? 1 : 0,
-                        1};
+                        1,
+                        block_max.data_ptr<float>() + bh * m * n_blocks};
     return rank_kernel(&p);
   };
   // slot <- the tier's pair at position
