@@ -2,7 +2,7 @@
 C kernels against the DRAM floor of the bytes they read.
 
     python scripts/bench/bench_lowbit_cpu.py [--lengths 4096 16384 32768] [--layers 30] \
-        [--repeats 5] [--tau 8] [--peaked [FACTOR]]
+        [--repeats 5] [--tau 6] [--peaked [FACTOR]]
 
 Per length, --layers separate low-bit copies (one per layer, as a step reads them: together far
 larger than the caches, so the bytes come from DRAM) go through each kernel in turn, and a row
@@ -17,7 +17,7 @@ reports per layer (batch 1, every position visible, 64 excluded per KV head):
 - floor ms: the bytes the pass must read (codes, scales and zeros of keys and values) at the read
   bandwidth measured before and after the row (their mean, in the table), and each kernel's time
   over it; the weights it writes (M x T float32, read again by the ranking) are not counted.
-Random K and V make flat attention, which keeps most positions at tau 8; a trained model's is
+Random K and V make flat attention, which keeps most positions at tau 6 or 8; a trained model's is
 peaked at long context (5-25% kept is common), which --peaked FACTOR mimics by scaling the rows
 by FACTOR (2 if not given): the scores' spread is FACTOR times wider.
 Shapes: SmolLM2-135M (3 KV heads, 6 rows = 3 query heads x 2 new rows, head_dim 64) and
@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.bench.bench_peers import measure_read_bandwidth  # noqa: E402
+from specache.config import Method  # noqa: E402
 from specache.kernels import lowbit_cpu, lowbit_int_cpu, lowbit_sparse_cpu  # noqa: E402
 from specache.ops import lowbit_partial_attention_int8_reference  # noqa: E402
 from specache.lowbit import LowBitKV, quantize_keys, quantize_values  # noqa: E402
@@ -115,7 +116,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30, help="copies read per pass (default 30)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--tau", type=float, default=8.0, help="sparse: min_weight = e^-tau")
+    parser.add_argument(
+        "--tau",
+        type=float,
+        default=Method().tau,
+        help=f"sparse: min_weight = e^-tau (default {Method().tau:g}, the method's)",
+    )
     parser.add_argument(
         "--peaked",
         type=float,

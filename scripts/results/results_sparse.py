@@ -1,0 +1,59 @@
+"""What docs/RESULTS.md says about the sparse pass (issue 51): its summary and sections, as
+results_sections.py writes the others."""
+
+SPARSE_SUMMARY = (
+    "## The sparse pass\n\nThe low-bit pass with the integer pass's scores and a sparse value "
+    "mix (`--specache_arithmetic sparse`, docs/method.md#the-sparse-pass-ours-an-option): "
+    "positions below e^-tau of every row's largest weight take their key group's mean value. "
+    "In short: on the default model's own decode queries the attention error with the default "
+    "selection is unchanged at tau 6 while the pass mixes by value 11.6% of the low-bit "
+    "positions at 16k (47.5% at 4k); the needles' replies are the float pass's, all 20. The "
+    "kernel alone takes 0.48-0.81x the integer pass's time where 5-9% are kept (4-10x its DRAM "
+    "floor: the integer scores and the exponentials still touch every position and row), and "
+    "up to 1.35x where attention is flat (random keys keep 72-85%). In decode it moves little: "
+    "with the default selection the step reads its shortlist's 8 x k pairs exactly and the "
+    "pass is no longer most of it, so SmolLM2 decodes at 0.52-0.64x our fastest full cache "
+    "with it, 0.61-0.67x with the integer pass and 0.45-0.58x with the float one (one run, a "
+    "loaded box). It stays an option.\n"
+)
+SPARSE = [
+    (
+        "sparse/study16k/selection_study",
+        "SmolLM2-135M: the sparse mix's error and what it keeps, 16k",
+        "scripts/eval/selection_study.py --length 16384 --taus 3 4 5 6 8 ...",
+        "The default selection's exact pairs (the shortlist), the rest of the low-bit segment "
+        "mixed as the sparse pass mixes it, against exact attention on the model's own decode "
+        "queries (float copy scores; the pass's integer scores differ by rounding).",
+    ),
+    (
+        "sparse/study4k/selection_study",
+        "SmolLM2-135M: the sparse mix's error and what it keeps, 4k",
+        "scripts/eval/selection_study.py --length 4096 --taus 2 3 4 6 8 12 ...",
+        "The same at 4k over three RULER tasks: attention over fewer positions is flatter, so "
+        "each tau keeps more.",
+    ),
+    (
+        "sparse/kernel",
+        "The sparse pass alone against its DRAM floor",
+        "scripts/bench/bench_lowbit_cpu.py --lengths 16384 32768 --repeats 3 --tau 8 [--peaked]",
+        "Per layer of a step's worth of layers (from DRAM): the float, integer and sparse "
+        "kernels and the floor, on random keys and values (flat attention) and with the rows "
+        "scaled up (peaked, as a trained model's at long context).",
+    ),
+    (
+        "sparse/needle/needle",
+        "SmolLM2-135M: needle with the sparse pass",
+        "scripts/eval/needle.py --methods specache-1bit specache-1bit:sparse ...",
+        "Our selection at 1 bit, the float pass against the sparse one (tau 6), same prompts: "
+        "every reply the same.",
+    ),
+    (
+        "sparse/bench/bench",
+        "SmolLM2-135M: decode speed with the sparse pass",
+        "scripts/bench/bench.py --checkpoint ... --methods full full-16bit specache-1bit "
+        "specache-1bit:int8 specache-1bit:sparse ...",
+        "Int4 weights, compiled, batch 1, one run; the default selection reads its shortlist "
+        "(fetched kB/token). SpeCache's rows are slower than in the earlier sections, which "
+        "were measured before the shortlist became the default.",
+    ),
+]
