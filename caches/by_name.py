@@ -83,7 +83,9 @@ def parse_select(
                 raise ValueError(f"oracle must be error or mass, got {oracle!r}")
         else:
             rest.append(item)
-    selection = Selection.parse(",".join(rest or [fallback]))
+    # the fallback where nothing but the arithmetic is named (an oracle alone names the paper's)
+    named = [item for item in items if item.partition("=")[0] not in ("int8", "sparse")]
+    selection = Selection.parse(",".join(rest) if named else fallback)
     if oracle is not None:
         selection = replace(selection, real_share=1.0)
     return selection, arithmetic, tau, oracle

@@ -175,3 +175,17 @@ def test_the_statistics_report_what_the_sparse_pass_skipped():
     dense = specache_config("default", topk=8, group=16, residual=16)
     stats = run_specache(model, prompts, 20, dense, stats=True).stats
     assert "sparse_kept" not in stats["diagnostics"] and "tau" not in stats
+
+
+def test_an_arithmetic_item_alone_leaves_the_fallback_selection_and_an_oracle_the_papers():
+    """parse_select: `int8` or `sparse` alone names no selection (the fallback, ours), while an
+    oracle alone is the paper's rule with the oracle's split, as before the sparse item came."""
+    from caches.by_name import parse_select
+    from specache import PAPER, Selection
+
+    for item in ("int8", "sparse", "sparse=4"):
+        assert parse_select(item)[0] == Selection()
+    assert parse_select("sparse", fallback="paper")[0] == PAPER
+    selection, arithmetic, tau, oracle = parse_select("oracle")
+    assert (selection.real_share, arithmetic, tau, oracle) == (1.0, None, None, "error")
+    assert selection == PAPER.__class__(**{**vars(PAPER), "real_share": 1.0})
