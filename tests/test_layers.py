@@ -12,7 +12,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [
     # the method, specache/: torch and the standard library alone
     ["specache.lowbit", "specache.guess", "specache.tiers", "specache.prefill"],
-    ["specache.config", "specache.integer"],
+    ["specache.config", "specache.integer", "specache.sparse"],
     ["specache.ops", "specache.pinned"],
     ["specache.select"],
     ["specache.step", "specache.state"],
@@ -28,7 +28,8 @@ LAYERS = [
         "specache.kernels.merge_cpu",
         "specache.kernels.rank_cpu",
     ],
-    ["specache.kernels.lowbit_int_cpu"],  # the float kernel's checks and ctypes struct
+    # the float kernel's checks and ctypes struct
+    ["specache.kernels.lowbit_int_cpu", "specache.kernels.lowbit_sparse_cpu"],
     ["specache.kernels"],  # register()
     ["specache.hf"],  # transformers and the package alone
     # the host
