@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specache.kernels import cpu_build, rank_cpu
-from specache.ops import top_positions_reference
+from specache.ops import parameter_names, top_positions_reference
 
 pytestmark = pytest.mark.skipif(
     shutil.which("gcc") is None, reason="no gcc: only the reference exists"
@@ -60,7 +60,9 @@ def problem(b=2, h=3, g=3, s=2, t=300, n_fetched=9, n_window=16, n_excluded=12, 
     )
 
 
-def both(lib, inputs, **options):
+def ordered(inputs, **options):
+    """specache::top_positions's arguments in its order: `inputs` (a `problem`) and the options,
+    with defaults."""
     args = dict(
         inputs,
         s=options.get("s", 2),
@@ -70,24 +72,12 @@ def both(lib, inputs, **options):
         upper=options["upper"],
         k=options.get("k", 16),
     )
-    names = (
-        "weights",
-        "scale",
-        "p_fetched",
-        "fetched_pos",
-        "p_window",
-        "window_start",
-        "s",
-        "row",
-        "gqa_max",
-        "lower",
-        "upper",
-        "excluded_pos",
-        "excluded_valid",
-        "k",
-    )
-    ordered = [args[name] for name in names]
-    return rank_cpu.run_kernel(lib, *ordered), top_positions_reference(*ordered)
+    return [args[name] for name in parameter_names(top_positions_reference)]
+
+
+def both(lib, inputs, **options):
+    args = ordered(inputs, **options)
+    return rank_cpu.run_kernel(lib, *args), top_positions_reference(*args)
 
 
 def assert_same_choice(kernel, reference):
@@ -299,37 +289,23 @@ def test_block_bounds_choose_what_the_whole_ranking_chooses(native, gqa_max, k, 
         inputs["p_window"].zero_()
     upper = torch.tensor([4000, 5000])
     for row in (0, 1):
-        ordered = [
-            dict(inputs, s=2, row=row, gqa_max=gqa_max, lower=4, upper=upper, k=k)[name]
-            for name in (
-                "weights", "scale", "p_fetched", "fetched_pos", "p_window", "window_start", "s",
-                "row", "gqa_max", "lower", "upper", "excluded_pos", "excluded_valid", "k",
-            )
-        ]  # fmt: skip
-        whole = rank_cpu.run_kernel(native, *ordered)
+        args = ordered(inputs, row=row, gqa_max=gqa_max, lower=4, upper=upper, k=k)
+        whole = rank_cpu.run_kernel(native, *args)
         bounded = rank_cpu.run_kernel(
-            native, *ordered, block_max=block_maxima(inputs["weights"], inflate)
+            native, *args, block_max=block_maxima(inputs["weights"], inflate)
         )
         assert torch.equal(whole[0], bounded[0]) and torch.equal(whole[1], bounded[1])
         if kind != "ties":  # torch's topk orders ties as it likes; the kernel by position
-            assert_same_choice(bounded, top_positions_reference(*ordered))
+            assert_same_choice(bounded, top_positions_reference(*args))
 
 
 def test_a_bound_below_a_blocks_weights_changes_the_choice(native):
     """The test above can fail: a block_max that understates a block (half its largest weight)
     makes the kernel skip positions it should choose."""
     inputs = peaked(problem(b=1, h=1, g=3, s=2, t=5000, n_fetched=8, n_window=16))
-    ordered = [
-        dict(inputs, s=2, row=0, gqa_max=True, lower=0, upper=torch.tensor([5000]), k=32)[name]
-        for name in (
-            "weights", "scale", "p_fetched", "fetched_pos", "p_window", "window_start", "s",
-            "row", "gqa_max", "lower", "upper", "excluded_pos", "excluded_valid", "k",
-        )
-    ]  # fmt: skip
-    whole = rank_cpu.run_kernel(native, *ordered)
-    understated = rank_cpu.run_kernel(
-        native, *ordered, block_max=block_maxima(inputs["weights"], 0.5)
-    )
+    args = ordered(inputs, upper=torch.tensor([5000]), k=32)
+    whole = rank_cpu.run_kernel(native, *args)
+    understated = rank_cpu.run_kernel(native, *args, block_max=block_maxima(inputs["weights"], 0.5))
     assert not torch.equal(whole[0], understated[0])
 
 
@@ -346,12 +322,6 @@ def test_a_block_whose_bound_ties_the_root_is_still_read(native):
     inputs["excluded_valid"].zero_()
     bounds = block_maxima(inputs["weights"])
     bounds[..., 5] = 1.0  # still a bound on block 5
-    ordered = [
-        dict(inputs, s=1, row=0, gqa_max=True, lower=0, upper=torch.tensor([640]), k=1)[name]
-        for name in (
-            "weights", "scale", "p_fetched", "fetched_pos", "p_window", "window_start", "s",
-            "row", "gqa_max", "lower", "upper", "excluded_pos", "excluded_valid", "k",
-        )
-    ]  # fmt: skip
-    indices, valid = rank_cpu.run_kernel(native, *ordered, block_max=bounds)
+    args = ordered(inputs, s=1, upper=torch.tensor([640]), k=1)
+    indices, valid = rank_cpu.run_kernel(native, *args, block_max=bounds)
     assert valid.all() and indices.flatten().tolist() == [130]

@@ -245,4 +245,16 @@ static inline int int_vector_takes(const Problem *p) {
 #endif
 }
 
+/* The path this build runs for the shapes it vectorizes: 2 AVX512 (with VNNI), 1 AVX2, 0 plain C;
+   each kernel built on this header exports it (lowbit_int_cpu.py's path_of reads it). */
+int lowbit_int_path(void) {
+#if defined(INT_VECTOR)
+    return 2;
+#elif defined(INT_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 #endif

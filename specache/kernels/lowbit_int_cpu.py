@@ -41,8 +41,9 @@ def build(flags: tuple[str, ...] = cpu_build.FLAGS) -> Path:
 PATHS = ("plain C", "AVX2", "AVX512-VNNI")
 
 
-def load(path: Path) -> ctypes.CDLL:
-    lib = cpu_build.load(path, FUNCTION, lowbit_cpu._Problem)
+def load(path: Path, function: str = FUNCTION) -> ctypes.CDLL:
+    """A built kernel on int_scores.h (this one, or the sparse pass's `function`), loaded."""
+    lib = cpu_build.load(path, function, lowbit_cpu._Problem)
     lib.lowbit_int_path.restype = ctypes.c_int
     return lib
 

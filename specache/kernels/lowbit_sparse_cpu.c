@@ -358,17 +358,6 @@ static void pick(const Problem *p, ScoreFn *score, MixFn *mix) {
 #endif
 }
 
-/* The path this build runs for the shapes it vectorizes: 2 AVX512 (with VNNI), 1 AVX2, 0 plain C. */
-int lowbit_sparse_path(void) {
-#if defined(INT_VECTOR)
-    return 2;
-#elif defined(INT_AVX2)
-    return 1;
-#else
-    return 0;
-#endif
-}
-
 /* Returns 0, -1 for a problem outside what this file handles (the wrapper checks first), -2 without memory. */
 int lowbit_partial_attention_sparse(const Problem *p) {
     if (!valid_problem(p) || !p->v_mean || !p->kept) return -1;

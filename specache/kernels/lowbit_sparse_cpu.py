@@ -19,7 +19,7 @@ it cannot build, and the twin serves. SPECACHE_NO_CPU_KERNEL=1 forces that.
 """
 
 import ctypes
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Callable
 
@@ -32,7 +32,6 @@ from specache.ops import SparsePart, arguments, lowbit_partial_attention_sparse_
 
 SOURCE = Path(__file__).with_name("lowbit_sparse_cpu.c")
 FUNCTION = "lowbit_partial_attention_sparse"
-PATHS = lowbit_int_cpu.PATHS  # its vector paths are the integer pass's
 
 
 def build(flags: tuple[str, ...] = cpu_build.FLAGS) -> Path:
@@ -40,15 +39,8 @@ def build(flags: tuple[str, ...] = cpu_build.FLAGS) -> Path:
     return cpu_build.build(SOURCE, flags)
 
 
-def load(path: Path) -> ctypes.CDLL:
-    lib = cpu_build.load(path, FUNCTION, lowbit_cpu._Problem)
-    lib.lowbit_sparse_path.restype = ctypes.c_int
-    return lib
-
-
-def path_of(lib: ctypes.CDLL) -> str:
-    """The vector path a loaded build runs where the shape allows it (one of PATHS)."""
-    return PATHS[lib.lowbit_sparse_path()]
+load = partial(lowbit_int_cpu.load, function=FUNCTION)
+path_of = lowbit_int_cpu.path_of  # its vector paths, from int_scores.h, are the integer pass's
 
 
 def run_kernel(
