@@ -325,3 +325,20 @@ def test_a_block_whose_bound_ties_the_root_is_still_read(native):
     args = ordered(inputs, s=1, upper=torch.tensor([640]), k=1)
     indices, valid = rank_cpu.run_kernel(native, *args, block_max=bounds)
     assert valid.all() and indices.flatten().tolist() == [130]
+
+
+@pytest.mark.parametrize("sampled", ["too high", "verified"])
+def test_a_sampled_floor_counts_only_where_k_positions_reach_it(native, sampled):
+    """From k = 128 on, the kernel takes a floor for the k-th best from every 16th position where
+    at least k positions reach it. Here every 16th position weighs 1 and the rest less: with k above
+    their number, the sample's floor (1) would leave too few, and the kernel must find another."""
+    t = 20000
+    inputs = problem(b=1, h=2, t=t, n_fetched=0, n_window=0, n_excluded=0)
+    weights = torch.rand(1, 2, 1, t) * 0.5
+    weights[..., ::16] = 1.0
+    inputs["weights"] = weights.expand_as(inputs["weights"]).contiguous()
+    inputs["scale"] = torch.ones_like(inputs["scale"])
+    k = t // 16 + 300 if sampled == "too high" else 512
+    (indices, valid), _ = both(native, inputs, upper=torch.tensor([t]), k=k)
+    expected = torch.sort(-weights[:, :, 0], stable=True).indices[..., :k]
+    assert valid.all() and torch.equal(indices, expected)

@@ -12,22 +12,24 @@
    - The heap holds the k best so far, the worst at its root: a position enters only if it beats
      the root, and blocks of positions none of which does are skipped after one vectorized
      comparison; the scan goes from the most recent block back. Ties go to the earlier position.
-   - From k = SELECT_MIN on (a shortlist lists hundreds), a radix pass over the weights' bits first
-     finds a floor that the k-th best reaches; positions below it never enter the heap, which
-     would otherwise take thousands of replacements on a flat ranking.
+   - From k = SELECT_MIN on (a shortlist lists hundreds) there is no heap (select_many): a floor
+     that the k-th best reaches, from a sample of the ranking or a radix pass over its bits, leaves
+     about k positions, which a radix sort orders (a heap took thousands of replacements on a flat
+     ranking, and as many sifts again to give its entries in order).
    - Positions the call excludes, and positions outside the range, are never chosen. Fewer
      candidates than k leave the last entries at position 0, marked invalid.
    - Given each row's largest low-bit weight per block of BLOCK positions (block_max, which the
      one-op step's low-bit pass writes as it exponentiates), it need not build the whole ranking:
      a bound per block says which blocks cannot beat the full heap's root, and those are never
-     read (rank_bounded). */
+     read (rank_bounded). From k = SELECT_MIN on, a bound rarely skips a block, and the whole
+     ranking serves. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define BLOCK 64       /* positions the heap's root is compared with at once */
-#define SELECT_MIN 128 /* from this k on, radix_floor bounds what enters the heap */
+#define SELECT_MIN 128 /* from this k on, select_many ranks without a heap */
 
 typedef struct {
     const float *weights;         /* (B, Hkv, M, T): the low-bit weights exp(score - row_max) */
@@ -143,6 +145,76 @@ static void write_top(const Problem *p, int64_t bh, Entry *heap, int64_t size) {
     }
 }
 
+/* The entries of ranking[0, n) (offset lo) that reach floor, in position order, into out; their count. */
+static int64_t collect(const float *ranking, int64_t n, int64_t lo, float floor, Entry *out) {
+    int64_t count = 0;
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        const int64_t end = start + BLOCK < n ? start + BLOCK : n;
+        int any = 0;
+        for (int64_t i = start; i < end; i++) any |= ranking[i] >= floor; /* vectorized */
+        if (!any) continue;
+        for (int64_t i = start; i < end; i++)
+            if (ranking[i] >= floor) /* + 0: a -0 would sort above every weight by its bits */
+                out[count++] = (Entry){ranking[i] + 0.0f, lo + i};
+    }
+    return count;
+}
+
+/* rank_one's choice for k >= SELECT_MIN, without a heap: a floor that the k-th best reaches, the
+   entries that reach it in position order, and a stable radix sort of them by value, largest
+   first, so that ties stay in position order, as the heap's order has them. The floor comes from a
+   sample of every SAMPLE-th position where the sample has enough candidates, checked against the
+   whole ranking (a floor only counts if at least k positions reach it), else from the whole
+   ranking. `spare` holds 2 n entries. */
+#define SAMPLE 16
+static int select_many(const Problem *p, int64_t bh, int64_t lo, float *ranking, int64_t n, Entry *spare) {
+    Entry *entries = spare, *sorted = spare + n;
+    float floor = -1.0f;
+    const int64_t n_sample = n / SAMPLE, wanted = 2 * p->k / SAMPLE;
+    if (wanted >= 8 && n_sample >= 4 * wanted) {
+        float *sample = (float *)sorted; /* free until the sort */
+        for (int64_t i = 0; i < n_sample; i++) sample[i] = ranking[i * SAMPLE];
+        const float guess = radix_floor(sample, n_sample, wanted);
+        int64_t reach = 0;
+        for (int64_t i = 0; i < n; i++) reach += ranking[i] >= guess; /* vectorized */
+        if (guess > 0.0f && reach >= p->k) floor = guess;
+    }
+    int64_t count = collect(ranking, n, lo, floor >= 0.0f ? floor : 0.0f, entries);
+    if (floor < 0.0f || count > 2 * p->k) { /* narrow to about k: a floor from the collected alone */
+        float *values = (float *)sorted;
+        for (int64_t i = 0; i < count; i++) values[i] = entries[i].value;
+        const float tight = radix_floor(values, count, p->k);
+        int64_t kept = 0;
+        for (int64_t i = 0; i < count; i++)
+            if (entries[i].value >= tight) entries[kept++] = entries[i];
+        count = kept;
+    }
+    /* LSD radix sort on the value's bits (non-negative floats order as their patterns), a byte a
+       pass, descending; a byte all entries share needs no pass */
+    for (int shift = 0; shift < 32; shift += 8) {
+        int64_t start[257] = {0};
+        for (int64_t i = 0; i < count; i++) start[256 - (bits_of(entries[i].value) >> shift & 255)]++;
+        int shared = 0;
+        for (int b = 0; b < 257; b++) shared |= start[b] == count;
+        if (shared) continue;
+        for (int b = 1; b < 257; b++) start[b] += start[b - 1];
+        for (int64_t i = 0; i < count; i++) {
+            const uint32_t bucket = 255 - (bits_of(entries[i].value) >> shift & 255);
+            sorted[start[bucket]++] = entries[i];
+        }
+        Entry *swap = entries;
+        entries = sorted;
+        sorted = swap;
+    }
+    int64_t *indices = p->indices + bh * p->k;
+    uint8_t *valid = p->valid + bh * p->k;
+    for (int64_t j = 0; j < p->k; j++) {
+        indices[j] = j < count ? entries[j].pos : 0;
+        valid[j] = j < count;
+    }
+    return 0;
+}
+
 static int rank_one(const Problem *p, int64_t b, int64_t h, float *ranking, float *row, Entry *heap) {
     const int64_t lo = p->lower < 0 ? 0 : p->lower;
     int64_t hi = p->upper[b] < p->t ? p->upper[b] : p->t;
@@ -164,21 +236,21 @@ static int rank_one(const Problem *p, int64_t b, int64_t h, float *ranking, floa
         const int64_t pos = p->excluded_pos[bh * p->n_excluded + j];
         if (p->excluded_valid[bh * p->n_excluded + j] && pos >= lo && pos < hi) ranking[pos - lo] = -1.0f;
     }
+    if (p->k >= SELECT_MIN) return select_many(p, bh, lo, ranking, n, heap);
     int64_t size = 0;
-    const float least = p->k >= SELECT_MIN ? radix_floor(ranking, n, p->k) : 0.0f;
     /* From the most recent block back: attention favours recent positions, so the heap fills with
        high weights first and most older blocks are skipped (in position order, a weight that grows
        with recency would replace the root at nearly every position). The heap's order is total, so
        the result does not depend on the order of the scan. */
     for (int64_t start = (n - 1) / BLOCK * BLOCK; start >= 0; start -= BLOCK) {
         const int64_t end = start + BLOCK < n ? start + BLOCK : n;
-        /* a block none of whose positions beats the full heap's root, or reaches the floor, is skipped whole */
-        const float floor = size < p->k ? least : p->k ? heap[0].value : INFINITY;
+        /* a block none of whose positions beats the full heap's root is skipped whole */
+        const float floor = size < p->k ? 0.0f : p->k ? heap[0].value : INFINITY;
         int beats = 0;
         for (int64_t i = start; i < end; i++) beats |= ranking[i] >= floor;  /* vectorized; >=: a tie at an earlier position wins */
         if (!beats) continue;
         for (int64_t i = start; i < end; i++) {
-            if (!(ranking[i] >= least)) continue;  /* excluded, or below the floor */
+            if (!(ranking[i] >= 0.0f)) continue;  /* excluded */
             const Entry e = {ranking[i], lo + i};
             if (size < p->k) {
                 heap[size] = e;
@@ -343,10 +415,11 @@ int top_positions(const Problem *p) {
     reduction(| : failed)
     for (int64_t task = 0; task < tasks; task++) {
         float *buffers = malloc(sizeof(float) * 2 * span);
-        Entry *heap = malloc(sizeof(Entry) * (p->k > 0 ? p->k : 1));
+        /* the heap, or select_many's 2 T entries */
+        Entry *heap = malloc(sizeof(Entry) * (p->k >= SELECT_MIN ? 2 * span : p->k > 0 ? p->k : 1));
         if (!buffers || !heap)
             failed |= 1;
-        else if (p->block_max)
+        else if (p->block_max && p->k < SELECT_MIN)
             failed |= rank_bounded(p, task / p->heads, task % p->heads, heap);
         else
             failed |= rank_one(p, task / p->heads, task % p->heads, buffers, buffers + span, heap);

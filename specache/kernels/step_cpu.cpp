@@ -314,8 +314,13 @@ StepResult step_attention(
       }
       weight[i] = gqa_max ? most : total / static_cast<float>(query_heads);
     }
-    std::partial_sort(order.begin(), order.begin() + n_picks, order.end(),
-                      [&](int64_t x, int64_t y) {
+    // the listed first, sorted (std::partial_sort over them alone), then the others in list
+    // order: where a sort of all by (weight, list order) puts them, at -1
+    const auto listed_end = std::stable_partition(
+        order.begin(), order.end(), [&](int64_t i) { return weight[i] >= 0.0f; });
+    std::partial_sort(order.begin(),
+                      order.begin() + std::min<int64_t>(n_picks, listed_end - order.begin()),
+                      listed_end, [&](int64_t x, int64_t y) {
                         return weight[x] > weight[y] || (weight[x] == weight[y] && x < y);
                       });
     for (int64_t r = 0; r < n_picks; r++) {
@@ -337,16 +342,20 @@ StepResult step_attention(
       bool *listed_ok = listed_valid.data_ptr<bool>() + bh * n_listed;
       // a kernel that fails leaves nothing to go on with: this head stops, and the call raises
       // below
-      if (merge_head(bh, bi, hi) ||
-          rank_head(bh, bi, 0, 0, qlen + bi, slots, n_listed, candidates, listed_ok))
-        return void(failed = 1);
       const int64_t first =
           discard.defined() && discard.data_ptr<bool>()[bh] ? n_sinks : n_sinks + n_spec;
+      // the shortlist reads n listed per pick the head places, the ranking's best shortlist x
+      // n_placed: the same as the best of its n_listed, so it ranks no more
+      const int64_t n_placed = std::min(n_picks, std::max<int64_t>(slots - first, 0)),
+                    n_ranked = shortlist ? std::min(n_listed, shortlist * n_placed) : n_listed;
+      if (merge_head(bh, bi, hi) ||
+          rank_head(bh, bi, 0, 0, qlen + bi, slots, n_ranked, candidates, listed_ok))
+        return void(failed = 1);
       int64_t &pairs_read = read.data_ptr<int64_t>()[bh];
-      if (shortlist) {  // n listed per pick the head places, all read
-        const int64_t n_placed = std::min(n_picks, std::max<int64_t>(slots - first, 0));
+      if (shortlist) {
         for (int64_t i = 0; i < n_listed; i++) {
-          listed_ok[i] = listed_ok[i] && i < shortlist * n_placed;
+          listed_ok[i] = i < n_ranked && listed_ok[i];
+          if (i >= n_ranked) candidates[i] = 0;  // as a ranking leaves an entry it did not fill
           pairs_read += listed_ok[i];
         }
         shortlist_head(bh, candidates, listed_ok, index, valid);
