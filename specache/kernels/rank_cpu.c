@@ -82,6 +82,17 @@ static void sift_up(Entry *heap, int64_t i) {
     }
 }
 
+/* The k best so far: e enters if the heap has room or e beats its root. */
+static inline void offer(Entry *heap, int64_t *size, int64_t k, Entry e) {
+    if (*size < k) {
+        heap[*size] = e;
+        sift_up(heap, (*size)++);
+    } else if (*size && worse(heap[0], e)) {
+        heap[0] = e;
+        sift_down(heap, *size, 0);
+    }
+}
+
 static uint32_t bits_of(float x) {
     uint32_t bits;
     memcpy(&bits, &x, sizeof bits);
@@ -316,15 +327,28 @@ static inline float extra_of(const Problem *p, int64_t bhm, int64_t from) {
     return from >= 0 ? p->p_fetched[bhm * p->n_fetched + from] : p->p_window[bhm * p->n_window - 1 - from];
 }
 
+/* order[0, n) as a max-heap of blocks by their bound, from i down */
+static void sift_down_blocks(int64_t *order, int64_t n, int64_t i, const float *bounds) {
+    for (;;) {
+        int64_t child = 2 * i + 1;
+        if (child >= n) return;
+        if (child + 1 < n && bounds[order[child + 1]] > bounds[order[child]]) child++;
+        if (!(bounds[order[child]] > bounds[order[i]])) return;
+        const int64_t swap = order[i];
+        order[i] = order[child];
+        order[child] = swap;
+        i = child;
+    }
+}
+
 /* rank_one with block_max: the same k positions, found by reading only the blocks that can hold
-   them. A block's bound is what query_head_row and rank_one compute for a position of weight
-   block_max in every query head, plus every probability added in the block, in the same order:
-   float products, sums and maxima are monotone in each operand and adding a non-negative term
-   never lowers a sum, so no position of the block ranks above it (the step's drop only lowers
-   weights after block_max was taken). Once the heap is full, a block whose bound is below its
-   root is skipped unread; the blocks whose bounds reach the k-th largest bound go first, so that
-   the root rises early (a full sort of the bounds cost more than it saved). The heap's order is
-   total, so the result is rank_one's. */
+   them. The positions that fetched slots or the window add probabilities to are ranked first, each
+   exactly as query_head_row and rank_one compute it (few, and often the best). Every other position
+   of a block weighs what query_head_row computes for its weight alone, so what it computes for
+   block_max bounds them all (float products, maxima and sums are monotone, and the step's drop only
+   lowers weights after block_max was taken). The blocks go best bound first; once the heap is full,
+   the first whose bound is below its root ends the scan, as every block left is no better. The
+   heap's order is total, so the result is rank_one's. */
 static int rank_bounded(const Problem *p, int64_t b, int64_t h, Entry *heap) {
     const int64_t lo = p->lower < 0 ? 0 : p->lower;
     int64_t hi = p->upper[b] < p->t ? p->upper[b] : p->t;
@@ -333,15 +357,47 @@ static int rank_bounded(const Problem *p, int64_t b, int64_t h, Entry *heap) {
     const int64_t base = lo / BLOCK, blocks = hi > lo ? (hi - 1) / BLOCK - base + 1 : 0;
     Extras x = {0};
     float *bounds = malloc(sizeof(float) * (blocks > 0 ? blocks : 1));
-    uint8_t *excluded = calloc(blocks * BLOCK + 1, 1);
-    int failed = !bounds || !excluded || extras_by_block(p, b, h, lo, hi, blocks, &x);
+    int64_t *order = malloc(sizeof(int64_t) * (blocks > 0 ? blocks : 1));
+    uint8_t *done = calloc(blocks * BLOCK + 1, 1); /* excluded, or ranked with its probabilities */
+    int failed = !bounds || !order || !done || extras_by_block(p, b, h, lo, hi, blocks, &x);
     if (!failed) {
+        for (int64_t j = 0; j < p->n_excluded; j++) {
+            const int64_t pos = p->excluded_pos[bh * p->n_excluded + j];
+            if (p->excluded_valid[bh * p->n_excluded + j] && pos >= lo && pos < hi) done[pos - base * BLOCK] = 1;
+        }
+        int64_t size = 0;
+        float values[BLOCK], row[BLOCK];
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            if (x.first[blk] == x.first[blk + 1]) continue;
+            const int64_t a = (base + blk) * BLOCK;
+            uint8_t touched[BLOCK] = {0};
+            for (int64_t g = 0; g < groups; g++) { /* query_head_row at these positions */
+                const int64_t bhm = bh * p->m + g * p->s + p->row;
+                const float *w = p->weights + bhm * p->t, sc = p->scale[bhm];
+                float *target = g == 0 ? values : row;
+                for (int64_t e = x.first[blk]; e < x.first[blk + 1]; e++) target[x.at[e] - a] = w[x.at[e]] * sc;
+                for (int64_t e = x.first[blk]; e < x.first[blk + 1]; e++) target[x.at[e] - a] += extra_of(p, bhm, x.from[e]);
+                if (g == 0) continue;
+                for (int64_t e = x.first[blk]; e < x.first[blk + 1]; e++) {
+                    const int64_t i = x.at[e] - a;
+                    if (touched[i] == (uint8_t)g) continue; /* a position with two entries: once per query head */
+                    touched[i] = (uint8_t)g;
+                    values[i] = p->max_over_heads ? (row[i] > values[i] ? row[i] : values[i]) : values[i] + row[i];
+                }
+            }
+            for (int64_t e = x.first[blk]; e < x.first[blk + 1]; e++) {
+                const int64_t i = x.at[e] - a;
+                if (done[x.at[e] - base * BLOCK]) continue;
+                done[x.at[e] - base * BLOCK] = 1;
+                const float value = p->max_over_heads ? values[i] : values[i] / (float)groups;
+                if (value >= 0.0f) offer(heap, &size, p->k, (Entry){value, x.at[e]});
+            }
+        }
         for (int64_t g = 0; g < groups; g++) {
             const int64_t bhm = bh * p->m + g * p->s + p->row;
             const float sc = p->scale[bhm];
             for (int64_t blk = 0; blk < blocks; blk++) {
-                float bound = p->block_max[bhm * all_blocks + base + blk] * sc;
-                for (int64_t e = x.first[blk]; e < x.first[blk + 1]; e++) bound += extra_of(p, bhm, x.from[e]);
+                const float bound = p->block_max[bhm * all_blocks + base + blk] * sc;
                 if (g == 0)
                     bounds[blk] = bound;
                 else if (p->max_over_heads)
@@ -350,57 +406,47 @@ static int rank_bounded(const Problem *p, int64_t b, int64_t h, Entry *heap) {
                     bounds[blk] += bound;
             }
         }
-        if (!p->max_over_heads)
-            for (int64_t blk = 0; blk < blocks; blk++) bounds[blk] /= (float)groups;
-        for (int64_t j = 0; j < p->n_excluded; j++) {
-            const int64_t pos = p->excluded_pos[bh * p->n_excluded + j];
-            if (p->excluded_valid[bh * p->n_excluded + j] && pos >= lo && pos < hi) excluded[pos - base * BLOCK] = 1;
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            if (!p->max_over_heads) bounds[blk] /= (float)groups;
+            if (bounds[blk] != bounds[blk]) bounds[blk] = INFINITY; /* NaN: read it, first */
         }
-        int64_t size = 0;
-        float values[BLOCK], row[BLOCK];
-        /* first the blocks whose bound reaches the k-th largest bound (their best positions fill
-           the heap high), then the others that can still beat its root; each from the most
-           recent back, as rank_one */
-        const float first_floor = radix_floor(bounds, blocks, p->k < blocks ? p->k : blocks);
-        for (int phase = 0; phase < 2; phase++)
-            for (int64_t blk = blocks - 1; blk >= 0 && p->k > 0; blk--) {
-                if ((bounds[blk] >= first_floor) != (phase == 0)) continue;
-                if (size == p->k && bounds[blk] < heap[0].value) continue;
-                const int64_t a = (base + blk) * BLOCK > lo ? (base + blk) * BLOCK : lo;
-                const int64_t e = (base + blk + 1) * BLOCK < hi ? (base + blk + 1) * BLOCK : hi;
-                for (int64_t g = 0; g < groups; g++) { /* query_head_row and rank_one on this block */
-                    const int64_t bhm = bh * p->m + g * p->s + p->row;
-                    const float *w = p->weights + bhm * p->t, sc = p->scale[bhm];
-                    float *target = g == 0 ? values : row;
-                    for (int64_t i = a; i < e; i++) target[i - a] = w[i] * sc;
-                    for (int64_t x_ = x.first[blk]; x_ < x.first[blk + 1]; x_++)
-                        target[x.at[x_] - a] += extra_of(p, bhm, x.from[x_]);
-                    if (g == 0) continue;
-                    if (p->max_over_heads)
-                        for (int64_t i = 0; i < e - a; i++) values[i] = row[i] > values[i] ? row[i] : values[i];
-                    else
-                        for (int64_t i = 0; i < e - a; i++) values[i] += row[i];
-                }
-                for (int64_t i = a; i < e; i++) {
-                    const float value = p->max_over_heads ? values[i - a] : values[i - a] / (float)groups;
-                    if (excluded[i - base * BLOCK] || !(value >= 0.0f)) continue;
-                    const Entry entry = {value, i};
-                    if (size < p->k) {
-                        heap[size] = entry;
-                        sift_up(heap, size++);
-                    } else if (worse(heap[0], entry)) {
-                        heap[0] = entry;
-                        sift_down(heap, size, 0);
-                    }
-                }
+        for (int64_t i = 0; i < blocks; i++) order[i] = i;
+        for (int64_t i = blocks / 2 - 1; i >= 0; i--) sift_down_blocks(order, blocks, i, bounds);
+        for (int64_t left = blocks; left > 0 && p->k > 0;) {
+            const int64_t blk = order[0];
+            order[0] = order[--left];
+            sift_down_blocks(order, left, 0, bounds);
+            if (size == p->k && bounds[blk] < heap[0].value) break;
+            const int64_t a = (base + blk) * BLOCK > lo ? (base + blk) * BLOCK : lo;
+            const int64_t e = (base + blk + 1) * BLOCK < hi ? (base + blk + 1) * BLOCK : hi;
+            for (int64_t g = 0; g < groups; g++) { /* query_head_row and rank_one on this block */
+                const int64_t bhm = bh * p->m + g * p->s + p->row;
+                const float *w = p->weights + bhm * p->t, sc = p->scale[bhm];
+                float *target = g == 0 ? values : row;
+                for (int64_t i = a; i < e; i++) target[i - a] = w[i] * sc;
+                if (g == 0) continue;
+                if (p->max_over_heads)
+                    for (int64_t i = 0; i < e - a; i++) values[i] = row[i] > values[i] ? row[i] : values[i];
+                else
+                    for (int64_t i = 0; i < e - a; i++) values[i] += row[i];
             }
+            if (!p->max_over_heads)
+                for (int64_t i = 0; i < e - a; i++) values[i] /= (float)groups;
+            const float root = size < p->k ? -INFINITY : heap[0].value;
+            int reaches = 0;
+            for (int64_t i = 0; i < e - a; i++) reaches |= values[i] >= root; /* vectorized */
+            if (!reaches) continue;
+            for (int64_t i = a; i < e; i++)
+                if (!done[i - base * BLOCK] && values[i - a] >= 0.0f) offer(heap, &size, p->k, (Entry){values[i - a], i});
+        }
         write_top(p, bh, heap, size);
     }
     free(x.at);
     free(x.from);
     free(x.first);
     free(bounds);
-    free(excluded);
+    free(order);
+    free(done);
     return failed;
 }
 
