@@ -101,6 +101,16 @@ SPARSE = [
         "every reply the same.",
     ),
     (
+        "sparse/needle_gemma3/needle",
+        "Gemma-3-270M: needle at 8k-32k with the sparse pass",
+        "scripts/eval/needle.py --checkpoint checkpoints/google/gemma-3-270m/model.pth "
+        "--lengths 8192 16384 32768 --depths 0 50 100 --methods specache-1bit "
+        "specache-1bit:sparse ...",
+        "Our selection at 1 bit, the float pass against the sparse one (tau 6), same prompts: "
+        "all 9 replies identical, the one miss (32k) missed by both. Part of the fidelity "
+        "guard's Gemma-3 prompts; its RULER 16k has not been run.",
+    ),
+    (
         "sparse/ruler/ruler",
         "SmolLM2-135M: RULER at 4k with the sparse pass",
         "scripts/eval/ruler.py --lengths 4096 --samples 2 --compile --methods specache-1bit "
