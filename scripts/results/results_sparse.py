@@ -107,8 +107,15 @@ SPARSE = [
         "--lengths 8192 16384 32768 --depths 0 50 100 --methods specache-1bit "
         "specache-1bit:sparse ...",
         "Our selection at 1 bit, the float pass against the sparse one (tau 6), same prompts: "
-        "all 9 replies identical, the one miss (32k) missed by both. Part of the fidelity "
-        "guard's Gemma-3 prompts; its RULER 16k has not been run.",
+        "all 9 replies identical, the one miss (32k) missed by both.",
+    ),
+    (
+        "sparse/ruler_gemma3/ruler",
+        "Gemma-3-270M: RULER at 16k with the sparse pass",
+        "scripts/eval/ruler.py --checkpoint checkpoints/google/gemma-3-270m/model.pth --lengths "
+        "16384 --samples 2 --methods specache-1bit specache-1bit:sparse ...",
+        "Two samples per task, eager: every score is the float pass's, and 21 of the 22 "
+        "replies are identical (95%; the one that differs, cwe, is wrong in both).",
     ),
     (
         "sparse/ruler/ruler",
