@@ -260,17 +260,8 @@ static int rank_one(const Problem *p, int64_t b, int64_t h, float *ranking, floa
         int beats = 0;
         for (int64_t i = start; i < end; i++) beats |= ranking[i] >= floor;  /* vectorized; >=: a tie at an earlier position wins */
         if (!beats) continue;
-        for (int64_t i = start; i < end; i++) {
-            if (!(ranking[i] >= 0.0f)) continue;  /* excluded */
-            const Entry e = {ranking[i], lo + i};
-            if (size < p->k) {
-                heap[size] = e;
-                sift_up(heap, size++);
-            } else if (size && worse(heap[0], e)) {
-                heap[0] = e;
-                sift_down(heap, size, 0);
-            }
-        }
+        for (int64_t i = start; i < end; i++)
+            if (ranking[i] >= 0.0f) offer(heap, &size, p->k, (Entry){ranking[i], lo + i});  /* else excluded */
     }
     write_top(p, bh, heap, size);
     return 0;
