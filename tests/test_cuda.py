@@ -84,6 +84,15 @@ def test_specache_on_cuda_generates_what_it_generates_on_cpu(cache, layout, sele
     assert on_gpu.tokens == on_cpu.tokens
 
 
+def test_the_sparse_pass_on_cuda_generates_what_it_generates_on_cpu():
+    """The sparse pass's Triton kernels on the GPU, the C kernel on the CPU: the same tokens,
+    with tau low enough that most positions take their group's mean value."""
+    config = specache_config(topk=8, arithmetic="sparse", tau=2.0, **SMALL)
+    prompts = prompts_of(50, 83)
+    on_cpu = run(tiny_model(), prompts, config)
+    assert run(tiny_model().cuda(), prompts, config).tokens == on_cpu.tokens
+
+
 def test_waiting_for_each_fetch_changes_nothing():
     prompts = prompts_of(50, 83)
     overlapped = run(tiny_model().cuda(), prompts, specache_config(topk=8, **SMALL))

@@ -28,8 +28,12 @@ LAYERS = [
         "specache.kernels.merge_cpu",
         "specache.kernels.rank_cpu",
     ],
-    # the float kernel's checks and ctypes struct
-    ["specache.kernels.lowbit_int_cpu", "specache.kernels.lowbit_sparse_cpu"],
+    # the float kernels' checks and ctypes struct, and Triton's unpacking
+    [
+        "specache.kernels.lowbit_int_cpu",
+        "specache.kernels.lowbit_sparse_cpu",
+        "specache.kernels.lowbit_sparse_triton",
+    ],
     ["specache.kernels"],  # register()
     ["specache.hf"],  # transformers and the package alone
     # the host
@@ -126,6 +130,7 @@ def test_the_package_imports_nothing_of_the_host():
         allowed = {"torch", "specache"} | {
             "specache.hf": {"transformers"},
             "specache.kernels.lowbit_triton": {"triton"},  # where it is installed
+            "specache.kernels.lowbit_sparse_triton": {"triton"},
         }.get(module, set())
         tree = ast.parse(project_modules()[module].read_text(encoding="utf-8"))
         names = {

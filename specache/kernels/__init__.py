@@ -21,6 +21,7 @@ from specache.kernels import (
     lowbit_cpu,
     lowbit_int_cpu,
     lowbit_sparse_cpu,
+    lowbit_sparse_triton,
     lowbit_triton,
     merge_cpu,
     rank_cpu,
@@ -59,4 +60,6 @@ def _register() -> dict[str, str]:
     paths = {f"{op} (CPU)": f"C, {dispatch}" if built else PLAIN for op, built in cpu.items()}
     paths["step_attention (CPU)"] = "C++, one call per layer" if fused else f"{PLAIN}, op by op"
     paths["lowbit_partial_attention (CUDA)"] = "Triton" if lowbit_triton.register() else PLAIN
+    sparse = lowbit_sparse_triton.register()
+    paths["lowbit_partial_attention_sparse (CUDA)"] = "Triton" if sparse else PLAIN
     return paths
