@@ -29,6 +29,7 @@ from options import (
     cache_summary,
     context_length,
     model_dtype,
+    prefill_products,
     pick_device,
     validate_cache_args,
 )
@@ -114,6 +115,7 @@ def answer(
             held=conversation.held,
             keep=True,
             keep_going=lambda: not stopped,
+            prefill_products=prefill_products(args.dtype, model.tok_embeddings.weight.device),
         )
         result = generate(
             model,

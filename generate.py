@@ -38,6 +38,7 @@ from options import (
     cache_from_args,
     cache_summary,
     model_dtype,
+    prefill_products,
     pick_device,
     validate_cache_args,
 )
@@ -275,6 +276,8 @@ def prepare(
     )
     tokenizer = load_tokenizer(checkpoint, model)
     shard = f", rank {tp.rank()} of {tp.world_size()}" if tp.launched() else ""
+    products = prefill_products(args.dtype, device)
+    shard += f", prefill's products in {products}" if products else ""
     say(
         f"Loaded {checkpoint} ({model.config.name}, {dtype}{shard}) on {device} in "
         f"{time.perf_counter() - t0:.1f} s"
@@ -354,6 +357,7 @@ def run(args: argparse.Namespace) -> None:
             options = GenerateOptions(
                 prefill_chunk=args.prefill_chunk,
                 compile_prefill=args.compile_prefill and args.cache == "full",
+                prefill_products=prefill_products(args.dtype, device),
             )
             result = generate(
                 model,

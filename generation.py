@@ -222,6 +222,10 @@ class GenerateOptions:
 
     prefill_chunk: Optional[int] = None  # prefill takes at most that many positions per pass
     compile_prefill: bool = False  # prefill through torch.compile (dynamic shapes)
+    # prefill's matrix products in this dtype (torch.autocast; the logits stay in the model's
+    # dtype): bfloat16 on CPUs that multiply it natively (options.prefill_products); None: the
+    # model's dtype
+    prefill_products: Optional[torch.dtype] = None
     # A conversation (chat.py) goes on in the same cache: `keep` leaves what the cache holds in
     # place at the end (the prompt and every new token but the last, which the next prompt starts
     # with), and the next call's `held` says how many tokens that is. Both are for one sequence,
@@ -277,17 +281,21 @@ def generate(
         else:
             cache.begin(tokens, lengths, held)
             chunked = dict(start=held, chunk=options.prefill_chunk, **sampling)
-            if options.compile_prefill:
-                real = prefill(
-                    model,
-                    tokens,
-                    lengths,
-                    forward=torch.compile(model, fullgraph=True, dynamic=True),
-                    **chunked,
-                )
-            else:
-                with torch.compiler.set_stance("force_eager"):
-                    real = prefill(model, tokens, lengths, **chunked)
+            products = options.prefill_products
+            with torch.autocast(
+                device.type, dtype=products, enabled=products is not None, cache_enabled=False
+            ):
+                if options.compile_prefill:
+                    real = prefill(
+                        model,
+                        tokens,
+                        lengths,
+                        forward=torch.compile(model, fullgraph=True, dynamic=True),
+                        **chunked,
+                    )
+                else:
+                    with torch.compiler.set_stance("force_eager"):
+                        real = prefill(model, tokens, lengths, **chunked)
         _sync(device)
         prefill_seconds = time.perf_counter() - t0
 

@@ -429,7 +429,10 @@ class Transformer(nn.Module):
     def head(self, x: Tensor, output_index: Optional[Tensor] = None) -> Tensor:
         if output_index is not None:
             x = torch.gather(x, 1, output_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-        return self.output(self.norm(x))
+        # in the model's dtype where prefill's products run in bfloat16 (autocast): bfloat16
+        # logits would round a top token's lead of under 1/128 of its logit away
+        with torch.autocast(x.device.type, enabled=False):
+            return self.output(self.norm(x))
 
     @classmethod
     def from_name(cls, name: str) -> "Transformer":
@@ -501,7 +504,13 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, freqs_cis: Tensor, mask: Mask, input_pos: Tensor) -> Tensor:
         bsz, seqlen, _ = x.shape
         q, k, v = self.project(x, freqs_cis)
-        y = self.kv_cache(q, k, v, input_pos, mask)
+        if torch.is_autocast_enabled(x.device.type):
+            # prefill's products in bfloat16 (GenerateOptions.prefill_products): the caches and
+            # attention stay in the model's dtype, the one their buffers and ops were built for
+            with torch.autocast(x.device.type, enabled=False):
+                y = self.kv_cache(q.to(x.dtype), k.to(x.dtype), v.to(x.dtype), input_pos, mask)
+        else:
+            y = self.kv_cache(q, k, v, input_pos, mask)
         return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, self.n_head * self.head_dim))
 
 

@@ -34,7 +34,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16"],
         default="auto",
-        help="model dtype; auto = bfloat16 on CUDA, float32 on CPU (measured faster there)",
+        help="model dtype; auto = bfloat16 on CUDA; on a CPU float32 (decode measured faster "
+        "there), and in generate.py and chat.py prefill's matrix products in bfloat16 where the "
+        "CPU multiplies it natively (AVX512-BF16 or AMX; docs/cli.md, 'Prefill in bfloat16')",
     )
 
 
@@ -43,6 +45,22 @@ def model_dtype(name: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         return getattr(torch, name)
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def native_bfloat16_cpu() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX), where oneDNN's
+    bfloat16 products run about twice float32's; without it they are emulated, and slower."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
+
+
+def prefill_products(name: str, device: torch.device) -> Optional[torch.dtype]:
+    """The dtype prefill's matrix products run in (`GenerateOptions.prefill_products`): for
+    --dtype auto on a CPU with native bfloat16, bfloat16 (the weights, the caches and decode stay
+    float32); None otherwise: the model's dtype throughout."""
+    if name == "auto" and device.type == "cpu" and native_bfloat16_cpu():
+        return torch.bfloat16
+    return None
 
 
 def context_length(max_seq_length: Optional[int], model: Transformer) -> int:

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from conftest import tiny_model
+from caches.by_name import make_cache
 from caches.full import FullCache
-from generation import compile_decode, generate
+from generation import GenerateOptions, compile_decode, generate, pad_prompts, prefill_pass
 
 
 def test_cached_decode_equals_full_recompute():
@@ -76,3 +77,38 @@ def test_compiled_flex_decode_matches_eager_and_never_recompiles(whole_step):
     assert compiled.tokens == eager.tokens
     assert counters["stats"]["unique_graphs"] == graphs, "decode recompiled as the position moved"
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("method", ["full-16bit", "specache-1bit", "kivi-1bit", "h2o"])
+def test_bfloat16_prefill_products_round_the_linears_alone(method):
+    """GenerateOptions.prefill_products (--dtype auto on a CPU with native bfloat16): prefill's
+    Linears multiply in bfloat16, decode's in float32; the caches take float32 rows (no error in
+    their own ops: SpeCache's window is float16, which CPU autocast cannot promote) and the logits
+    stay float32, close to the float32 prefill's."""
+    model = tiny_model()
+    prompt = torch.randint(0, 97, (150,), generator=torch.Generator().manual_seed(5)).tolist()
+    seen = []
+    hook = model.layers[0].feed_forward.w1.register_forward_hook(
+        lambda module, inputs, output: seen.append((output.shape[1], output.dtype))
+    )
+    options = GenerateOptions(prefill_products=torch.bfloat16)
+    result = generate(
+        model, make_cache(method, model, 1, 200, topk=8), [prompt], 6, options=options
+    )
+    hook.remove()
+    assert seen[0] == (150, torch.bfloat16) and {dtype for _, dtype in seen[1:]} == {torch.float32}
+    assert len(result.tokens[0]) == 6
+
+    tokens, lengths = pad_prompts([prompt], torch.device("cpu"))
+    logits = {}
+    for products in (None, torch.bfloat16):
+        cache = make_cache(method, model, 1, 200, topk=8)
+        cache.begin(tokens, lengths, 0)
+        autocast = torch.autocast(
+            "cpu", dtype=torch.bfloat16, enabled=products is not None, cache_enabled=False
+        )
+        with torch.no_grad(), autocast:
+            logits[products] = prefill_pass(model, tokens, lengths, 0, 0, len(prompt))
+    assert logits[torch.bfloat16].dtype == torch.float32
+    moved = (logits[torch.bfloat16] - logits[None]).abs().max()
+    assert 0 < moved < 0.02 * logits[None].abs().max()

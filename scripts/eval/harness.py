@@ -52,6 +52,7 @@ from generation import (  # noqa: E402
 )
 from generate import COMPILED_CAPACITY_STEP  # noqa: E402
 from model import Transformer, prompt_attention  # noqa: E402
+from options import model_dtype, prefill_products  # noqa: E402
 from specache import Method, SpeCacheConfig  # noqa: E402
 from tokenizer import Tokenizer, get_tokenizer  # noqa: E402
 
@@ -114,8 +115,12 @@ class Runner:
         chat: bool = True,
         stats: bool = False,
         whole_step: bool = False,
+        prefill_products: Optional[torch.dtype] = None,
     ):
+        """`prefill_products`: the shared prefill's matrix products in that dtype (generate's
+        GenerateOptions.prefill_products), None: the model's."""
         self.model, self.tokenizer, self.methods = model, tokenizer, list(methods)
+        self.prefill_products = prefill_products
         self.kinds = {method: parse_method(method) for method in methods}  # (kind, bits, selection)
         self.chat = (
             chat  # the scripts' prompts: the chat format, or completion prompts for a base model
@@ -170,7 +175,13 @@ class Runner:
         model.setup_rope(self.capacity(prompt, max_new_tokens) + 1)
         device = model.tok_embeddings.weight.device
         t0 = time.perf_counter()
-        with torch.compiler.set_stance("force_eager"):
+        products = self.prefill_products
+        with (
+            torch.compiler.set_stance("force_eager"),
+            torch.autocast(
+                device.type, dtype=products, enabled=products is not None, cache_enabled=False
+            ),
+        ):
             first = prefill(
                 model,
                 torch.tensor([prompt], device=device),
@@ -293,7 +304,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "read in 16 bits (extra scoring passes per layer)",
     )
     g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    g.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16", "auto"),
+        help="the model's dtype (default float32); auto as generate.py's: on a CPU with native "
+        "bfloat16, float32 with the prefill's matrix products in bfloat16",
+    )
     g.add_argument(
         "--compile",
         action="store_true",
@@ -326,7 +343,8 @@ def method_argument(method: str) -> str:
 def runner_from_args(args: argparse.Namespace) -> Runner:
     torch.set_grad_enabled(False)
     checkpoint = resolve_checkpoint(args.checkpoint)
-    model = load_model(checkpoint, torch.device(args.device), getattr(torch, args.dtype))
+    device = torch.device(args.device)
+    model = load_model(checkpoint, device, model_dtype(args.dtype, device))
     return Runner(
         model,
         get_tokenizer(checkpoint.parent),
@@ -336,6 +354,7 @@ def runner_from_args(args: argparse.Namespace) -> Runner:
         stats=args.stats,
         compile=args.compile,
         chat=wants_chat(args.prompt_format, checkpoint.parent.name),
+        prefill_products=prefill_products(args.dtype, device),
     )
 
 
