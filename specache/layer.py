@@ -12,11 +12,11 @@ from specache.config import ARITHMETICS, fast_tier_layout
 from specache.lowbit import LowBitKV, quantize_keys, quantize_values
 from specache.ops import LowBitPart, Merged, Segments, query_rows
 from specache.prefill import attention_after_history, history_block
-from specache.select import exact_slots, queries_disagree
+from specache.select import exact_slots, prefetch_missed
 from specache.sparse import value_means
 from specache.state import DECODE, PREFILL, SpeCacheState
-from specache.step import attend_and_choose, step_attention
-from specache.tiers import Kappa, PrefetchSlots, SlowTier, TierSpec, held_match
+from specache.step import StepOutputs, attend_and_choose, step_attention
+from specache.tiers import Kappa, PrefetchSlots, SlowTier, TierSpec, prefetch_reads
 
 
 class Probe(Protocol):
@@ -239,13 +239,15 @@ class SpeCacheLayer(nn.Module):
         next prefetch; with `keep`, the real row's K, V join the window and the slow tier."""
         b, n_heads, s, d = q.shape
         rows = query_rows(q, k.shape[1])
-        discard = self.prefetch_missed(q) if self.correcting and keep else None  # (ours: correct)
+        correct = self.correcting and keep  # (ours: correct)
         if self.tier.gathered_in_step and self.probe is None:
-            out, kappa = self.step_in_ram(rows, k, v, discard)
+            out, kappa = self.step_in_ram(rows, k, v, correct)
         else:
+            discard = self.prefetch_missed(rows, s) if correct else None
             out, kappa = self.step_in_parts(rows, k, v, keep, discard)
-        if self.correcting:  # (ours: correct)
-            self.state.write_moved(self.last_query, q[:, :, -1])
+        if self.correcting:  # (ours: correct) the rows that chose the next prefetch
+            last = rows.unflatten(2, (-1, s))[:, :, :, -1].flatten(1, 2)  # (B, H, D)
+            self.state.write_moved(self.last_query, last)
         new_k = new_v = None
         if keep:
             new_k, new_v = self.append_real_row(k[:, :, 0], v[:, :, 0])
@@ -258,14 +260,13 @@ class SpeCacheLayer(nn.Module):
         window = (self.window_k, self.window_v, state.window_len)
         return Segments(state.quantized_len, *buffers, *window, k, v)
 
-    def step_in_ram(
-        self, rows: Tensor, k: Tensor, v: Tensor, discard: Optional[Tensor]
-    ) -> tuple[Tensor, None]:
+    def step_in_ram(self, rows: Tensor, k: Tensor, v: Tensor, correct: bool) -> tuple[Tensor, None]:
         """A step whose slow tier is in the same RAM: one op (`specache::step_attention`), which
-        also places the prefetch; the tier then only stores the real row."""
-        m, sel, kv = self.config.method, self.config.selection, self.lowbit()
-        out, fetched_k, fetched_v, fetched_pos, fetched_valid, _, kappa_pos, kappa_valid, read = (
-            step_attention(
+        also checks the prefetch (correct), places the next one and counts the pairs read; the
+        tier then only stores the real row."""
+        m, sel, kv, state = self.config.method, self.config.selection, self.lowbit(), self.state
+        step = StepOutputs(
+            *step_attention(
                 rows,
                 *kv[:6],
                 kv.v_mean,
@@ -278,22 +279,29 @@ class SpeCacheLayer(nn.Module):
                 self.tier.v,
                 self.picks,
                 sel.shortlist,
-                discard,
+                self.last_query if correct else None,
+                sel.correct_below if correct else 0.0,
                 sel.gqa == "max",
                 self.n_sinks,
                 self.k_spec,
-                self.state.selectable_len,
+                state.selectable_len,
+                self.kappa_pos,
+                self.kappa_valid,
+                sel.reuse,
             )
         )
         for buffer, new in zip(
             (self.fetched_k, self.fetched_v, self.fetched_pos, self.fetched_valid),
-            (fetched_k, fetched_v, fetched_pos, fetched_valid),
+            (step.fetched_k, step.fetched_v, step.fetched_pos, step.fetched_valid),
         ):
-            self.state.write_moved(buffer, new)
-        self.pairs_read += read.sum(-1) * self.state.stepping
+            state.write_moved(buffer, new)
+        self.pairs_read += step.read.sum(-1) * state.stepping
+        if correct:
+            self.count_discards(step.discarded)
         if self.k_spec:
-            self.choose_prefetch(kappa_pos, kappa_valid)
-        return out, None
+            state.write_moved(self.kappa_pos, step.kappa_pos)
+            state.write_moved(self.kappa_valid, step.kappa_valid)
+        return step.out, None
 
     def step_in_parts(
         self, rows: Tensor, k: Tensor, v: Tensor, keep: bool, discard: Optional[Tensor]
@@ -343,23 +351,25 @@ class SpeCacheLayer(nn.Module):
             return step.out, None
         return step.out, self.choose_prefetch(step.kappa_pos, step.kappa_valid)
 
-    def prefetch_missed(self, q: Tensor) -> Tensor:
-        """correct: the KV heads (B, Hkv) whose real query moved away from the one that chose the
+    def prefetch_missed(self, rows: Tensor, s: int) -> Tensor:
+        """correct: the KV heads (B, Hkv) whose real rows moved away from those that chose the
         prefetch."""
         threshold = self.config.selection.correct_below
-        discard = queries_disagree(q[:, :, 0], self.last_query, self.fetched_k.shape[1], threshold)
+        discard = prefetch_missed(rows, self.last_query, s, threshold)
+        self.count_discards(discard)
+        return discard
+
+    def count_discards(self, discard: Tensor) -> None:
         self.heads_discarded += discard.sum(-1) * self.state.stepping
         self.heads_checked += discard.shape[-1] * self.state.stepping
-        return discard
 
     def choose_prefetch(self, kappa_pos: Tensor, kappa_valid: Tensor) -> Kappa:
         """kappa_{t+1}: the last row's top-k_spec positions (B, Hkv, k_spec), among those
-        quantized by the next step and not sinks. Counted as read: with reuse, only those the
-        previous prefetch did not hold."""
-        new = kappa_valid
-        if self.config.selection.reuse:  # (ours: reuse)
-            new = new & ~held_match(kappa_pos, kappa_valid, self.kappa_pos, self.kappa_valid)[0]
-        self.pairs_read += new.sum((1, 2)) * self.state.stepping
+        quantized by the next step and not sinks. Counted as read: with reuse (ours), only those
+        the previous prefetch did not hold."""
+        reuse = self.config.selection.reuse
+        new = prefetch_reads(kappa_pos, kappa_valid, self.kappa_pos, self.kappa_valid, reuse)
+        self.pairs_read += new.sum(-1) * self.state.stepping
         self.state.write_moved(self.kappa_pos, kappa_pos)
         self.state.write_moved(self.kappa_valid, kappa_valid)
         return Kappa(self.kappa_pos, self.kappa_valid)
@@ -367,10 +377,10 @@ class SpeCacheLayer(nn.Module):
     def append_real_row(self, new_k: Tensor, new_v: Tensor) -> tuple[Tensor, Tensor]:
         """The real row's K, V (B, Hkv, D) join the window (and, returned in the pairs' dtype,
         the slow tier); the speculative row's are dropped."""
-        rows = self.state.moved()
         new_k, new_v = new_k.to(self.window_k.dtype), new_v.to(self.window_v.dtype)
-        self.window_k[rows, :, self.state.window_len[rows]] = new_k[rows]
-        self.window_v[rows, :, self.state.window_len[rows]] = new_v[rows]
+        rows, at, k_rows, v_rows = self.state.at_moved(self.state.window_len, new_k, new_v)
+        self.window_k[rows, :, at] = k_rows
+        self.window_v[rows, :, at] = v_rows
         return new_k, new_v
 
     def fast_tier_bytes(self) -> int:

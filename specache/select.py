@@ -12,12 +12,15 @@ from specache.lowbit import LowBitKV, dequantize_values
 from specache.ops import LowBitPart, Merged, Segments, top_positions
 
 
-def queries_disagree(q: Tensor, previous: Tensor, n_kv_heads: int, threshold: float) -> Tensor:
-    """correct: (B, Hkv) bool, the KV heads whose real query rows q (B, H, D) and the queries
-    that chose their prefetch (B, H, D) have a mean cosine (over the head's query heads) below
+def prefetch_missed(rows: Tensor, last_query: Tensor, s: int, threshold: float) -> Tensor:
+    """correct: (B, Hkv) bool, the KV heads whose real rows (row 0 of each query head's s rows in
+    rows (B, Hkv, G*s, D), as `query_rows` lays them out) and the rows that chose their prefetch,
+    last_query (B, Hkv*G, D), have a mean cosine (over the head's query heads) below
     `threshold`."""
-    cosine = F.cosine_similarity(q.float(), previous.float(), dim=-1)  # (B, H)
-    return cosine.unflatten(1, (n_kv_heads, -1)).mean(-1) < threshold
+    b, h, m, d = rows.shape
+    real = rows.view(b, h, m // s, s, d)[:, :, :, 0]
+    cosine = F.cosine_similarity(real, last_query.view(b, h, m // s, d).float(), dim=-1)
+    return cosine.mean(-1) < threshold
 
 
 def rank_shortlist(

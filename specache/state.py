@@ -47,6 +47,7 @@ class SpeCacheState:
         self.rows: Optional[list[int]] = None
         self.rows_index: Optional[Tensor] = None  # the same, on the device
         self.stepping = torch.ones(batch_size, dtype=torch.long, device=device)  # 1 at those rows
+        self.every_row = torch.arange(batch_size, device=device)
 
     def split(self, n: int) -> tuple[int, int]:
         """(Lq, r) of a sequence that holds n tokens: whole groups of all but the newest R are
@@ -83,11 +84,12 @@ class SpeCacheState:
             host = torch.tensor(values, pin_memory=device_copy.is_cuda)
             device_copy.copy_(host, non_blocking=device_copy.is_cuda)
 
-    def moved(self) -> Tensor:
-        """The rows a step moves: all, or those of a pass of some rows."""
-        if self.rows_index is None:
-            return torch.arange(len(self.host_window_len), device=self.window_len.device)
-        return self.rows_index
+    def at_moved(self, *per_row: Tensor) -> tuple[Tensor, ...]:
+        """The rows a step moves (all, or those of a pass of some rows), and each of `per_row`
+        (B, ...) at those rows."""
+        if self.rows_index is None:  # as they are: no index op per tensor in an eager step
+            return (self.every_row, *per_row)
+        return (self.rows_index, *(x[self.rows_index] for x in per_row))
 
     def write_moved(self, buffer: Tensor, new: Tensor) -> None:
         """A step's new value of a per-row buffer, kept at the rows it moved."""

@@ -25,12 +25,13 @@ from specache.select import (
     exact_slots,
     first_pick_slot,
     picks_placed,
+    prefetch_missed,
     prefetch_positions,
     rank_shortlist,
     shortlist_listed,
     take_picks,
 )
-from specache.tiers import gather_pairs
+from specache.tiers import gather_pairs, prefetch_reads
 
 
 class StepAttention(NamedTuple):
@@ -136,7 +137,10 @@ class StepOutputs(NamedTuple):
     placed: Tensor  # (B, Hkv, n_picks): which picks took a slot
     kappa_pos: Tensor  # (B, Hkv, n_spec): the prefetch, best first
     kappa_valid: Tensor  # which of them are real
-    read: Tensor  # (B, Hkv): the pairs each KV head read from the tier for its picks
+    # (B, Hkv): the pairs each KV head read from the tier, for its picks and for the prefetch (with
+    # reuse, the prefetch's that `held_pos` did not hold)
+    read: Tensor
+    discarded: Tensor  # (B, Hkv) bool: the KV heads whose prefetch was discarded (correct)
 
 
 def step_attention_reference(
@@ -166,16 +170,27 @@ def step_attention_reference(
     store_v: Tensor,
     n_picks: int,
     shortlist: int,
-    discard: Optional[Tensor],
+    last_query: Optional[Tensor],
+    correct_below: float,
     gqa_max: bool,
     n_sinks: int,
     n_spec: int,
     selectable_len: Tensor,
+    held_pos: Tensor,
+    held_valid: Tensor,
+    reuse: bool,
 ) -> StepOutputs:
     """`attend_and_choose` over a slow tier `store_k`, `store_v` (B, Hkv, T, D) in the same
     memory, whose pairs it gathers itself, the prefetch's too; `arithmetic` indexes
-    specache.config.ARITHMETICS."""
+    specache.config.ARITHMETICS. With `last_query` (B, H, D), the rows that chose the prefetch
+    now in the slots, a KV head whose real rows' mean cosine to them is below `correct_below`
+    discards it (`prefetch_missed`); `held_pos`, `held_valid` (B, Hkv, n_spec): that prefetch's
+    positions, which `read` does not count again where the new prefetch holds them (`reuse`).
+    What the step did in Python around an op of its own (a decode step's eager dispatch), in
+    one."""
     real_slots = fetched_pos.shape[-1] - n_sinks - n_spec
+    s = new_k.shape[2]
+    discard = None if last_query is None else prefetch_missed(rows, last_query, s, correct_below)
     if n_picks and n_picks < real_slots + (n_spec if discard is not None else 0):
         raise ValueError(
             f"step_attention: {n_picks} picks cannot fill the {real_slots} real-row slots"
@@ -215,7 +230,9 @@ def step_attention_reference(
     out_pos[:, :, prefetch] = step.kappa_pos
     out_valid[:, :, prefetch] = step.kappa_valid
     placed, kappa = step.placed, (step.kappa_pos, step.kappa_valid)
-    return StepOutputs(step.out, out_k, out_v, out_pos, out_valid, placed, *kappa, step.read)
+    read = step.read + prefetch_reads(*kappa, held_pos, held_valid, reuse)
+    discarded = torch.zeros_like(read, dtype=torch.bool) if discard is None else discard
+    return StepOutputs(step.out, out_k, out_v, out_pos, out_valid, placed, *kappa, read, discarded)
 
 
 def step_shapes(a: SimpleNamespace) -> StepOutputs:
@@ -230,6 +247,7 @@ def step_shapes(a: SimpleNamespace) -> StepOutputs:
         a.fetched_pos.new_empty(b, h, a.n_spec),
         a.fetched_valid.new_empty(b, h, a.n_spec),
         a.fetched_pos.new_empty(b, h),
+        a.fetched_valid.new_empty(b, h),
     )
 
 

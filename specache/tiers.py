@@ -42,8 +42,8 @@ class TierState(Protocol):
     def held(self) -> list[int]:
         """The same on the host: the tokens each sequence holds."""
 
-    def moved(self) -> Tensor:
-        """The rows a step moves, on the device."""
+    def at_moved(self, *per_row: Tensor) -> tuple[Tensor, ...]:
+        """The rows a step moves, on the device, and each of `per_row` (B, ...) at them."""
 
 
 class TierSpec(NamedTuple):
@@ -120,6 +120,17 @@ def held_match(
     return valid & match.any(-1), match.to(torch.uint8).argmax(-1)
 
 
+def prefetch_reads(
+    kappa_pos: Tensor, kappa_valid: Tensor, held_pos: Tensor, held_valid: Tensor, reuse: bool
+) -> Tensor:
+    """(B, Hkv): the pairs a prefetch of kappa reads from the slow tier: every valid one, or with
+    reuse only those the previous prefetch (held_pos, held_valid) does not hold already."""
+    new = kappa_valid
+    if reuse and held_pos.shape[-1]:
+        new = new & ~held_match(kappa_pos, kappa_valid, held_pos, held_valid)[0]
+    return new.sum(-1)
+
+
 class RamTier:
     """The slow tier in the same RAM as the fast one (a CPU): every move happens inside the
     layer's step. A prefetch gathers all its pairs, so reuse changes only the count of pairs a
@@ -164,10 +175,10 @@ class RamTier:
             slots.pos[:, :, slots.where] = kappa.pos
             slots.valid[:, :, slots.where] = kappa.valid
         if new_k is not None:
-            rows = self.spec.state.moved()
-            positions = self.spec.state.next_position()[rows]
-            self.k[rows, :, positions] = new_k[rows]
-            self.v[rows, :, positions] = new_v[rows]
+            state = self.spec.state
+            rows, positions, k_rows, v_rows = state.at_moved(state.next_position(), new_k, new_v)
+            self.k[rows, :, positions] = k_rows
+            self.v[rows, :, positions] = v_rows
 
     def keys(self) -> Tensor:
         return self.k

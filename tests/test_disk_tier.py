@@ -53,7 +53,9 @@ def ram_tier_op_by_op(monkeypatch):
     monkeypatch.setattr(
         SpeCacheLayer,
         "step_in_ram",
-        lambda self, rows, k, v, discard: self.step_in_parts(rows, k, v, True, discard),
+        lambda self, rows, k, v, correct: self.step_in_parts(
+            rows, k, v, True, self.prefetch_missed(rows, k.shape[2]) if correct else None
+        ),
     )
 
 

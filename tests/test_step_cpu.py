@@ -54,7 +54,9 @@ def step_problem(
     of t positions of random keys (outlier channels) and values, of which sequence 0 has
     quantized t - 32 and sequence 1 only 8 (fewer candidates than picks); slots holding sinks, a
     prefetch (some of it beyond the quantized length, one entry invalid) and stale real-row picks;
-    a ragged window; the tier holding every pair."""
+    a ragged window; the tier holding every pair. With `discard`, correct at 0.9 against rows that
+    chose the prefetch: the real rows themselves, but turned around (cosine -1) for every third KV
+    head, which discards its prefetch. The prefetch held before is the slots' (reuse)."""
     g = torch.Generator().manual_seed(seed)
     b, h, group_size, window = 2, n_kv, 3, 24
     m = group_size * s
@@ -82,6 +84,9 @@ def step_problem(
     # the model's k, v for the new rows: a transposed view, as attention hands them over
     new_k, new_v = new[:, :, :s], new[:, :, s:].transpose(2, 3).contiguous().transpose(2, 3)
     rows = torch.randn(b, h, m, d, generator=g) * d**-0.5 * 3
+    last_query = rows.view(b, h, group_size, s, d)[:, :, :, 0].clone()
+    last_query[torch.arange(b * h).view(b, h) % 3 == 0] *= -1
+    prefetch = slice(n_sinks, n_sinks + n_spec)
     return (
         rows,
         k_packed,
@@ -109,12 +114,23 @@ def step_problem(
         store_v,
         n_picks,
         shortlist,
-        torch.arange(b * h).view(b, h) % 3 == 0 if discard else None,
+        last_query.flatten(1, 2) if discard else None,
+        0.9,
         gqa_max,
         n_sinks,
         n_spec,
         quantized_len + torch.tensor([32, 0]),
+        fetched_pos[:, :, prefetch].clone(),
+        fetched_valid[:, :, prefetch].clone(),
+        True,
     )
+
+
+def discard_of(a):
+    """(B, Hkv) bool or None: the KV heads the arguments `a` discard the prefetch of."""
+    if a.last_query is None:
+        return None
+    return specache.select.prefetch_missed(a.rows, a.last_query, a.new_k.shape[2], a.correct_below)
 
 
 def meaningful_slots(args, placed, kappa_valid):
@@ -123,7 +139,7 @@ def meaningful_slots(args, placed, kappa_valid):
     a = specache.ops.arguments(specache.step.step_attention_reference, args)
     fetched_pos, n_picks, n_sinks, n_spec = a.fetched_pos, a.n_picks, a.n_sinks, a.n_spec
     slots = fetched_pos.shape[-1]
-    first = specache.select.first_pick_slot(fetched_pos, n_sinks, n_spec, a.discard)
+    first = specache.select.first_pick_slot(fetched_pos, n_sinks, n_spec, discard_of(a))
     meaningful = torch.ones_like(a.fetched_valid)
     if n_picks:
         rank = (torch.arange(slots) - first).clamp(0, n_picks - 1)
@@ -156,9 +172,10 @@ def assert_same_step(args):
         fused = torch.ops.specache.step_attention(*args)
     with reference_ops():
         expected = torch.ops.specache.step_attention(*args)
-    out, fetched_k, fetched_v, fetched_pos, fetched_valid, placed, kappa_pos, kappa_valid, read = (
-        fused
-    )
+    out, fetched_k, fetched_v, fetched_pos, fetched_valid, placed, kappa_pos, kappa_valid = fused[
+        :8
+    ]
+    read, discarded = fused[8:]
     scale = expected[0].abs().max()
     # the definition run on the same C kernels, op by op: only the drop's order of additions
     # differs (a few ulps of the unnormalized low-bit terms, up to ~10x the output)
@@ -169,6 +186,7 @@ def assert_same_step(args):
     torch.testing.assert_close(out, expected[0], atol=1e-4 * scale, rtol=1e-5)
     assert torch.equal(placed, expected[5])
     assert torch.equal(read, expected[8])
+    assert torch.equal(discarded, expected[9])
     assert torch.equal(kappa_valid, expected[7])
     assert torch.equal(kappa_pos[kappa_valid], expected[6][kappa_valid])
     meaningful = meaningful_slots(args, expected[5], expected[7])
@@ -189,12 +207,13 @@ def test_the_kernel_serves_the_op():
 @pytest.mark.parametrize("arithmetic", ARITHMETICS)
 @pytest.mark.parametrize("s", [1, 2])
 def test_a_step_equals_the_composition(bits, arithmetic, s):
-    out, _, _, _, _, placed, _, kappa_valid, _ = assert_same_step(
-        step_problem(bits=bits, arithmetic=arithmetic, s=s)
-    )
-    # the problem exercises what it claims: picks placed and cut short, a prefetch chosen
+    step = assert_same_step(step_problem(bits=bits, arithmetic=arithmetic, s=s))
+    placed, kappa_valid, discarded = step[5], step[7], step[9]
+    # the problem exercises what it claims: picks placed and cut short, a prefetch chosen, every
+    # third KV head's discarded
     assert placed[0].any() and not placed[1].all()
     assert kappa_valid.any()
+    assert torch.equal(discarded, torch.arange(4).view(2, 2) % 3 == 0)
 
 
 @pytest.mark.parametrize(
@@ -226,8 +245,13 @@ def test_the_shortlist_reads_its_list_and_keeps_other_picks():
     are candidates) and keeps picks that the copy's ranking alone would not."""
     plain = assert_same_step(step_problem())
     listed = assert_same_step(step_problem(shortlist=4))
-    placed, read = listed[5], listed[8]
-    assert torch.equal(plain[8], plain[5].sum(-1))  # without it, the placed picks are read
+    held = step_problem()[ARGUMENT["held_pos"]], step_problem()[ARGUMENT["held_valid"]]
+
+    def picks_read(step):  # read, less the prefetch's pairs
+        return step[8] - specache.tiers.prefetch_reads(step[6], step[7], *held, True)
+
+    placed, read = listed[5], picks_read(listed)
+    assert torch.equal(picks_read(plain), plain[5].sum(-1))  # without it, the placed picks are read
     # sequence 0: 128 candidates; a KV head that discards its prefetch places 8, else 4
     discard = torch.tensor([True, False])
     assert torch.equal(read[0], torch.where(discard, 32, 16))
@@ -235,6 +259,25 @@ def test_the_shortlist_reads_its_list_and_keeps_other_picks():
     kept, kept_plain = listed[3][0, :, 6:], plain[3][0, :, 6:]
     assert placed[0].sum() == plain[5][0].sum()
     assert not torch.equal(kept.sort(-1).values, kept_plain.sort(-1).values)
+
+
+def test_the_prefetch_counts_only_the_pairs_it_did_not_hold():
+    """reuse: a prefetch position the previous prefetch held is not read again; the step's
+    choices are the same whatever it held."""
+    args = list(step_problem())
+    held_nothing = torch.zeros_like(args[ARGUMENT["held_valid"]])
+    args[ARGUMENT["held_valid"]] = held_nothing
+    fresh = assert_same_step(args)
+    kappa_pos, kappa_valid = fresh[6], fresh[7]
+    held_valid = kappa_valid & (torch.arange(kappa_pos.shape[-1]) % 2 == 0)
+    args[ARGUMENT["held_pos"]], args[ARGUMENT["held_valid"]] = kappa_pos, held_valid
+    reused = assert_same_step(args)
+    assert held_valid.any()
+    assert torch.equal(reused[8], fresh[8] - held_valid.sum(-1))
+    for a, b in zip(fresh[:8], reused[:8]):
+        assert torch.equal(a, b)
+    args[ARGUMENT["reuse"]] = False  # without reuse every pair of the prefetch is read
+    assert torch.equal(assert_same_step(args)[8], fresh[8])
 
 
 def test_with_threads_the_result_is_the_same():

@@ -58,8 +58,8 @@ class Lengths:
     def next_position(self):
         return self.positions
 
-    def moved(self):
-        return torch.arange(len(self.positions))
+    def at_moved(self, *per_row):
+        return (torch.arange(len(self.positions)), *per_row)
 
 
 def test_the_ram_tier_stores_reads_and_prefetches_into_the_slots():

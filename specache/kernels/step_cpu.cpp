@@ -1,10 +1,13 @@
 // specache::step_attention: a layer's whole attention in a decode step, its slow tier in the same
-// RAM (specache/step.py's step_attention_reference states it). The low-bit pass runs over all KV heads
-// (its kernel splits the positions among the threads); everything else, small beside it, runs KV
-// head by KV head on the C kernels that cpu_ops.cpp dispatches: the merge, the real row's
+// RAM (specache/step.py's step_attention_reference states it). The low-bit pass runs over all KV
+// heads (its kernel splits the positions among the threads); everything else, small beside it,
+// runs KV head by KV head on the C kernels that cpu_ops.cpp dispatches: the merge, the real row's
 // ranking (with a shortlist, the exact scores of the pairs it lists and their ranking), its picks'
 // gather into the slots and their drop from the low-bit sums, the merge again, the last row's
-// ranking and the prefetch's gather. Shapes the kernels do not take go to the reference.
+// ranking and the prefetch's gather. Before them, the check of the prefetch (correct); after, the
+// count of the pairs read (the prefetch's less those the previous one held, with reuse): what the
+// layer did in Python around the op, a dozen small ops of eager dispatch each. Shapes the kernels
+// do not take go to the reference.
 
 #include <ATen/ops/zeros.h>
 
@@ -33,18 +36,51 @@ void widen(const Pair *pairs, int64_t d, float *key) {
 }
 
 using StepResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                              at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+                              at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// correct (specache/select.py's prefetch_missed): (B, Hkv) bool, the KV heads whose real rows'
+// mean cosine (over the head's query heads) to the rows that chose the prefetch is below
+// `threshold`; each vector divided by its norm (at least 1e-8) first, as F.cosine_similarity does.
+at::Tensor prefetch_missed(const at::Tensor &rows, const at::Tensor &last_query, int64_t s,
+                           double threshold) {
+  const int64_t b = rows.size(0), h = rows.size(1), m = rows.size(2), d = rows.size(3),
+                query_heads = m / s;
+  at::Tensor discard = at::empty({b, h}, rows.options().dtype(at::kBool));
+  const float *row = rows.data_ptr<float>(), *previous = last_query.data_ptr<float>();
+  for (int64_t bh = 0; bh < b * h; bh++) {
+    float total = 0.0f;
+    for (int64_t g = 0; g < query_heads; g++) {
+      const float *x = row + (bh * m + g * s) * d, *y = previous + (bh * query_heads + g) * d;
+      float xx = 0.0f, yy = 0.0f;
+      for (int64_t c = 0; c < d; c++) {
+        xx += x[c] * x[c];
+        yy += y[c] * y[c];
+      }
+      const float x_norm = std::max(std::sqrt(xx), 1e-8f),
+                  y_norm = std::max(std::sqrt(yy), 1e-8f);
+      float cosine = 0.0f;
+      for (int64_t c = 0; c < d; c++) cosine += (x[c] / x_norm) * (y[c] / y_norm);
+      total += cosine;
+    }
+    const float mean = total / static_cast<float>(query_heads);
+    discard.data_ptr<bool>()[bh] = mean < static_cast<float>(threshold);
+  }
+  return discard;
+}
 
 StepResult step_attention(
     const at::Tensor &rows_in, const at::Tensor &k_packed, const at::Tensor &k_scale,
     const at::Tensor &k_zero, const at::Tensor &v_packed_in, const at::Tensor &v_scale_in,
     const at::Tensor &v_zero_in, const std::optional<at::Tensor> &v_mean_in, int64_t bits,
-    int64_t group, int64_t arithmetic, double min_weight, const at::Tensor &quantized_len_in, const at::Tensor &fetched_k, const at::Tensor &fetched_v,
+    int64_t group, int64_t arithmetic, double min_weight, const at::Tensor &quantized_len_in,
+    const at::Tensor &fetched_k, const at::Tensor &fetched_v,
     const at::Tensor &fetched_pos, const at::Tensor &fetched_valid, const at::Tensor &window_k_in,
     const at::Tensor &window_v_in, const at::Tensor &window_len_in, const at::Tensor &new_k_in,
     const at::Tensor &new_v_in, const at::Tensor &store_k_in, const at::Tensor &store_v_in,
-    int64_t n_picks, int64_t shortlist, const std::optional<at::Tensor> &discard_in, bool gqa_max,
-    int64_t n_sinks, int64_t n_spec, const at::Tensor &selectable_len_in) {
+    int64_t n_picks, int64_t shortlist, const std::optional<at::Tensor> &last_query_in,
+    double correct_below, bool gqa_max, int64_t n_sinks, int64_t n_spec,
+    const at::Tensor &selectable_len_in, const at::Tensor &held_pos_in,
+    const at::Tensor &held_valid_in, bool reuse) {
   const int64_t b = rows_in.size(0), h = rows_in.size(1),
                 m = rows_in.dim() == 4 ? rows_in.size(2) : 0,
                 d = rows_in.dim() == 4 ? rows_in.size(3) : 0,
@@ -62,16 +98,21 @@ StepResult step_attention(
       (arithmetic != 2 || v_mean_in.has_value()) && merge_kernel && rank_kernel &&
       rows_in.dim() == 4 && rows_in.scalar_type() == at::kFloat && t > 0 && m >= 1 && m <= 64 &&
       s >= 1 && m % s == 0 && d % 16 == 0 && d >= 16 && d <= 256 && group % 8 == 0 &&
-      group <= (1 << 20) && (bits == 1 || bits == 2) && n_picks >= 0 && shortlist >= 0 && n_listed >= n_picks &&
+      group <= (1 << 20) && (bits == 1 || bits == 2) && n_picks >= 0 && shortlist >= 0 &&
+      n_listed >= n_picks &&
       n_spec >= 0 && n_sinks >= 0 && n_sinks + n_spec <= slots &&
-      (n_picks == 0 || n_picks >= slots - n_sinks - (discard_in ? 0 : n_spec)) &&  // else it raises
+      // else it raises
+      (n_picks == 0 || n_picks >= slots - n_sinks - (last_query_in ? 0 : n_spec)) &&
       v_packed_in.dim() == 4 && v_scale_in.dim() == 4 && v_scale_in.size(3) > 0 &&
       d % v_scale_in.size(3) == 0 && quantized_len_in.dim() == 1 && quantized_len_in.size(0) == b &&
       quantized_len_in.scalar_type() == at::kLong &&
       selectable_len_in.sizes() == quantized_len_in.sizes() &&
       selectable_len_in.scalar_type() == at::kLong &&
-      (!discard_in ||
-       (discard_in->sizes() == at::IntArrayRef({b, h}) && discard_in->scalar_type() == at::kBool));
+      (!last_query_in || (last_query_in->sizes() == at::IntArrayRef({b, h * (m / s), d}) &&
+                          last_query_in->scalar_type() == at::kFloat)) &&
+      held_pos_in.dim() == 3 && held_pos_in.size(0) == b && held_pos_in.size(1) == h &&
+      held_pos_in.scalar_type() == at::kLong && held_valid_in.sizes() == held_pos_in.sizes() &&
+      held_valid_in.scalar_type() == at::kBool;
   const at::Tensor *pairs[] = {&fetched_v, &window_k_in, &window_v_in, &new_k_in,
                                &new_v_in,  &store_k_in,  &store_v_in};
   // the gathers copy whole pairs: the slots, the window and the tier in one dtype
@@ -97,15 +138,19 @@ StepResult step_attention(
                           v_mean_in, bits, group, arithmetic, min_weight, quantized_len_in,
                           fetched_k, fetched_v, fetched_pos, fetched_valid, window_k_in,
                           window_v_in, window_len_in, new_k_in, new_v_in, store_k_in, store_v_in,
-                          n_picks, shortlist, discard_in, gqa_max, n_sinks, n_spec,
-                          selectable_len_in);
+                          n_picks, shortlist, last_query_in, correct_below, gqa_max, n_sinks,
+                          n_spec, selectable_len_in, held_pos_in, held_valid_in, reuse);
   }
   const at::Tensor rows = rows_in.contiguous(), quantized_len = quantized_len_in.contiguous(),
                    selectable_len = selectable_len_in.contiguous(),
                    store_k = store_k_in.contiguous(), store_v = store_v_in.contiguous(),
                    v_packed = v_packed_in.contiguous(), v_scale = v_scale_in.contiguous(),
                    v_zero = v_zero_in.contiguous();
-  const at::Tensor discard = discard_in ? discard_in->contiguous() : at::Tensor();
+  const at::Tensor discard =
+      last_query_in ? prefetch_missed(rows, last_query_in->contiguous(), s, correct_below)
+                    : at::Tensor();
+  const at::Tensor held_pos = held_pos_in.contiguous(), held_valid = held_valid_in.contiguous();
+  const int64_t n_held = held_pos.size(2);
   const int64_t *qlen = quantized_len.data_ptr<int64_t>();
   // exact_slots: the slots that count, and the low-bit pass leaves out
   at::Tensor exact = fetched_valid.contiguous().clone();
@@ -280,8 +325,8 @@ StepResult step_attention(
     else
       widen(static_cast<const at::Half *>(tier_keys) + offset, d, key);
   };
-  // shortlist (specache/select.py's rank_shortlist): of the listed candidates, the n_picks whose exact
-  // keys weigh most, as exp(score - the low-bit row max) x the low-bit scale (the copy's own
+  // shortlist (specache/select.py's rank_shortlist): of the listed candidates, the n_picks whose
+  // exact keys weigh most, as exp(score - the low-bit row max) x the low-bit scale (the copy's own
   // measure), max or mean over query heads
   const int64_t query_heads = m / s;
   auto shortlist_head = [&](int64_t bh, const int64_t *candidates, const bool *listed_ok,
@@ -379,10 +424,18 @@ StepResult step_attention(
                     kappa, real))
         return void(failed = 1);
       bool *valid_out = out_valid.data_ptr<bool>() + bh * slots;
+      const int64_t *held = held_pos.data_ptr<int64_t>() + bh * n_held;
+      const bool *held_ok = held_valid.data_ptr<bool>() + bh * n_held;
       for (int64_t i = 0; i < n_spec; i++) {
         copy_pair(bh, n_sinks + i, kappa[i]);
         pos[n_sinks + i] = kappa[i];
         valid_out[n_sinks + i] = real[i];
+        // read from the tier: every real entry, or with reuse those the previous prefetch did
+        // not hold (specache/tiers.py's prefetch_reads)
+        bool held_before = false;
+        for (int64_t j = 0; reuse && j < n_held; j++)
+          held_before |= held_ok[j] && held[j] == kappa[i];
+        read.data_ptr<int64_t>()[bh] += real[i] && !held_before;
       }
     }
   };
@@ -392,7 +445,8 @@ StepResult step_attention(
     for (int64_t bh = begin; bh < end; bh++) one_head(bh);
   });
   TORCH_CHECK(!failed, "step_attention: a C kernel rejected a problem that passed the checks");
-  return {out, out_k, out_v, out_pos, out_valid, placed, kappa_pos, kappa_valid, read};
+  const at::Tensor discarded = discard.defined() ? discard : at::zeros({b, h}, exact.options());
+  return {out, out_k, out_v, out_pos, out_valid, placed, kappa_pos, kappa_valid, read, discarded};
 }
 
 }  // namespace
