@@ -115,7 +115,7 @@ def answer(
             held=conversation.held,
             keep=True,
             keep_going=lambda: not stopped,
-            prefill_products=prefill_products(args.dtype, model.tok_embeddings.weight.device),
+            prefill_products=prefill_products(args.prefill_dtype),
         )
         result = generate(
             model,

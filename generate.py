@@ -276,7 +276,7 @@ def prepare(
     )
     tokenizer = load_tokenizer(checkpoint, model)
     shard = f", rank {tp.rank()} of {tp.world_size()}" if tp.launched() else ""
-    products = prefill_products(args.dtype, device)
+    products = prefill_products(args.prefill_dtype)
     shard += f", prefill's products in {products}" if products else ""
     say(
         f"Loaded {checkpoint} ({model.config.name}, {dtype}{shard}) on {device} in "
@@ -357,7 +357,7 @@ def run(args: argparse.Namespace) -> None:
             options = GenerateOptions(
                 prefill_chunk=args.prefill_chunk,
                 compile_prefill=args.compile_prefill and args.cache == "full",
-                prefill_products=prefill_products(args.dtype, device),
+                prefill_products=prefill_products(args.prefill_dtype),
             )
             result = generate(
                 model,

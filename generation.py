@@ -222,9 +222,9 @@ class GenerateOptions:
 
     prefill_chunk: Optional[int] = None  # prefill takes at most that many positions per pass
     compile_prefill: bool = False  # prefill through torch.compile (dynamic shapes)
-    # prefill's matrix products in this dtype (torch.autocast; the logits stay in the model's
-    # dtype): bfloat16 on CPUs that multiply it natively (options.prefill_products); None: the
-    # model's dtype
+    # prefill's matrix products in this dtype (torch.autocast; the caches, attention and logits
+    # keep the model's): --prefill_dtype bfloat16, faster on CPUs that multiply it natively; None:
+    # the model's dtype
     prefill_products: Optional[torch.dtype] = None
     # A conversation (chat.py) goes on in the same cache: `keep` leaves what the cache holds in
     # place at the end (the prompt and every new token but the last, which the next prompt starts

@@ -34,9 +34,16 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16"],
         default="auto",
-        help="model dtype; auto = bfloat16 on CUDA; on a CPU float32 (decode measured faster "
-        "there), and in generate.py and chat.py prefill's matrix products in bfloat16 where the "
-        "CPU multiplies it natively (AVX512-BF16 or AMX; docs/cli.md, 'Prefill in bfloat16')",
+        help="model dtype; auto = bfloat16 on CUDA, float32 on CPU (measured faster there)",
+    )
+    p.add_argument(
+        "--prefill_dtype",
+        choices=["model", "bfloat16"],
+        default="model",
+        help="generate.py and chat.py: prefill's matrix products in the model's dtype (default), "
+        "or in bfloat16 (torch.autocast; the weights, caches, attention and logits keep the "
+        "model's): faster on a CPU that multiplies bfloat16 natively (AVX512-BF16 or AMX), "
+        "slower on one that does not; tokens may differ (docs/cli.md, 'Prefill in bfloat16')",
     )
 
 
@@ -47,20 +54,9 @@ def model_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def native_bfloat16_cpu() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX), where oneDNN's
-    bfloat16 products run about twice float32's; without it they are emulated, and slower."""
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
-
-
-def prefill_products(name: str, device: torch.device) -> Optional[torch.dtype]:
-    """The dtype prefill's matrix products run in (`GenerateOptions.prefill_products`): for
-    --dtype auto on a CPU with native bfloat16, bfloat16 (the weights, the caches and decode stay
-    float32); None otherwise: the model's dtype throughout."""
-    if name == "auto" and device.type == "cpu" and native_bfloat16_cpu():
-        return torch.bfloat16
-    return None
+def prefill_products(name: str) -> Optional[torch.dtype]:
+    """--prefill_dtype as `GenerateOptions.prefill_products`: None for the model's dtype."""
+    return None if name == "model" else getattr(torch, name)
 
 
 def context_length(max_seq_length: Optional[int], model: Transformer) -> int:

@@ -81,7 +81,7 @@ def test_compiled_flex_decode_matches_eager_and_never_recompiles(whole_step):
 
 @pytest.mark.parametrize("method", ["full-16bit", "specache-1bit", "kivi-1bit", "h2o"])
 def test_bfloat16_prefill_products_round_the_linears_alone(method):
-    """GenerateOptions.prefill_products (--dtype auto on a CPU with native bfloat16): prefill's
+    """GenerateOptions.prefill_products (--prefill_dtype bfloat16): prefill's
     Linears multiply in bfloat16, decode's in float32; the caches take float32 rows (no error in
     their own ops: SpeCache's window is float16, which CPU autocast cannot promote) and the logits
     stay float32, close to the float32 prefill's."""

@@ -1,18 +1,18 @@
 """Time and peak memory of a long prompt's prefill: in one piece and in --prefill_chunk chunks, in
-float32 and with --dtype auto (prefill's matrix products in bfloat16 on a CPU that multiplies it
-natively), beside llama.cpp's prefill of the same tokens.
+the model's dtype and with --prefill_dtype bfloat16 (prefill's matrix products in bfloat16), beside
+llama.cpp's prefill of the same tokens.
 
     python scripts/bench/bench_prefill.py                              # 16k tokens, chunks of 1024
     python scripts/bench/bench_prefill.py --prompt_tokens 4096 --chunks 512 2048 --out /tmp/prefill
-    python scripts/bench/bench_prefill.py --chunks --dtypes float32 auto --llama_cpp   # TTFT
+    python scripts/bench/bench_prefill.py --chunks --prefill_dtypes model bfloat16 --llama_cpp
 
-Per method, dtype and chunk size, one `python generate.py --json` process (so that each peak
+Per method, prefill dtype and chunk size, one `python generate.py --json` process (so that each peak
 resident memory is its own) prefills the same prompt (prose, --prompt_tokens tokens) and generates
 4 tokens, greedy, eager. Reported: prefill seconds (the time to the first token), the process's
-peak resident memory, both as ratios over the same method's float32 prefill in one piece, and
-whether the first tokens agree with it. --llama_cpp adds llama.cpp's prefill of the same token ids
+peak resident memory, both as ratios over the same method's first row (its first prefill dtype, in
+one piece), and whether the first tokens agree with it. --llama_cpp adds llama.cpp's prefill of the same token ids
 (llama-cpp-python on the GGUF the default model comes from, its f16 KV cache, batches of 512,
-torch's thread count) and its time over our float32 full cache's.
+torch's thread count) and its time over our full cache's first row.
 """
 
 import argparse
@@ -39,9 +39,9 @@ def piece(chunk: int) -> str:
     return f"chunks of {chunk}" if chunk else "one piece"
 
 
-def run(checkpoint: Path, method: str, prompt_file: Path, chunk: int, dtype: str) -> dict:
+def run(checkpoint: Path, method: str, prompt_file: Path, chunk: int, products: str) -> dict:
     flags = server_flags(method) + (["--prefill_chunk", str(chunk)] if chunk else [])
-    flags += ["--dtype", dtype, "--device", "cpu"]
+    flags += ["--prefill_dtype", products, "--device", "cpu"]
     result = subprocess.run(
         [
             sys.executable,
@@ -83,11 +83,11 @@ def main() -> None:
         help="chunk sizes beside one piece (none: one piece alone)",
     )
     parser.add_argument(
-        "--dtypes",
+        "--prefill_dtypes",
         nargs="+",
-        default=["float32"],
-        choices=["float32", "auto"],
-        help="generate.py's --dtype per row; auto: prefill's products in bfloat16 where native",
+        default=["model"],
+        choices=["model", "bfloat16"],
+        help="generate.py's --prefill_dtype per row (default: the model's dtype alone)",
     )
     parser.add_argument(
         "--llama_cpp", action="store_true", help="add llama.cpp's prefill of the same tokens"
@@ -106,8 +106,8 @@ def main() -> None:
         prompt_file = Path(folder) / "prompt.txt"
         prompt_file.write_text(text, encoding="utf-8")
         for method in args.methods:
-            first = None  # the method's first row: float32 (or the first dtype), one piece
-            for dtype in args.dtypes:
+            first = None  # the method's first row: the first prefill dtype, one piece
+            for dtype in args.prefill_dtypes:
                 for chunk in [0, *args.chunks]:
                     print(f"{method}, {dtype}, {piece(chunk)}...", file=sys.stderr, flush=True)
                     report = run(checkpoint, method, prompt_file, chunk, dtype)
@@ -146,10 +146,10 @@ def main() -> None:
     lines = [
         f"{checkpoint.parent.name}, a {rows[0]['prompt_tokens']}-token prompt, {NEW_TOKENS} new "
         f"tokens, greedy, eager, {torch.get_num_threads()} CPU threads; ratios over the same "
-        f"method's first row ({args.dtypes[0]}, one piece){peer}",
+        f"method's first row (prefill in {args.prefill_dtypes[0]}, one piece){peer}",
         "",
-        "| method | dtype | prefill | prefill s | peak RSS GB | time ratio | memory ratio | "
-        "same tokens |",
+        "| method | prefill dtype | prefill | prefill s | peak RSS GB | time ratio | "
+        "memory ratio | same tokens |",
         "|---|---|---|---|---|---|---|---|",
     ]
     lines += [

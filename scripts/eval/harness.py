@@ -52,7 +52,7 @@ from generation import (  # noqa: E402
 )
 from generate import COMPILED_CAPACITY_STEP  # noqa: E402
 from model import Transformer, prompt_attention  # noqa: E402
-from options import model_dtype, prefill_products  # noqa: E402
+from options import prefill_products  # noqa: E402
 from specache import Method, SpeCacheConfig  # noqa: E402
 from tokenizer import Tokenizer, get_tokenizer  # noqa: E402
 
@@ -304,12 +304,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "read in 16 bits (extra scoring passes per layer)",
     )
     g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     g.add_argument(
-        "--dtype",
-        default="float32",
-        choices=("float32", "bfloat16", "float16", "auto"),
-        help="the model's dtype (default float32); auto as generate.py's: on a CPU with native "
-        "bfloat16, float32 with the prefill's matrix products in bfloat16",
+        "--prefill_dtype",
+        choices=("model", "bfloat16"),
+        default="model",
+        help="the shared prefill's matrix products: in the model's dtype (default), or bfloat16 "
+        "(generate.py's flag)",
     )
     g.add_argument(
         "--compile",
@@ -343,8 +344,7 @@ def method_argument(method: str) -> str:
 def runner_from_args(args: argparse.Namespace) -> Runner:
     torch.set_grad_enabled(False)
     checkpoint = resolve_checkpoint(args.checkpoint)
-    device = torch.device(args.device)
-    model = load_model(checkpoint, device, model_dtype(args.dtype, device))
+    model = load_model(checkpoint, torch.device(args.device), getattr(torch, args.dtype))
     return Runner(
         model,
         get_tokenizer(checkpoint.parent),
@@ -354,7 +354,7 @@ def runner_from_args(args: argparse.Namespace) -> Runner:
         stats=args.stats,
         compile=args.compile,
         chat=wants_chat(args.prompt_format, checkpoint.parent.name),
-        prefill_products=prefill_products(args.dtype, device),
+        prefill_products=prefill_products(args.prefill_dtype),
     )
 
 

@@ -3,7 +3,14 @@
 assembles the page from these and the reports."""
 
 from results_fidelity import QWEN, QWEN_SUMMARY, SHORTLIST, SHORTLIST_SUMMARY, STUDY, STUDY_SUMMARY
-from results_sparse import RANKINGS, RANKINGS_SUMMARY, SPARSE, SPARSE_SUMMARY
+from results_sparse import (
+    PREFILL,
+    PREFILL_SUMMARY,
+    RANKINGS,
+    RANKINGS_SUMMARY,
+    SPARSE,
+    SPARSE_SUMMARY,
+)
 
 SELECTION_SUMMARY = (
     "## Selection\n\nHow SpeCache chooses the 16-bit pairs it reads exactly: the paper's rule "
@@ -476,6 +483,7 @@ SERVING = [
 # The page's parts after the selection's (which has the at-a-glance table first), in order.
 PARTS = [
     (RANKINGS_SUMMARY, RANKINGS),
+    (PREFILL_SUMMARY, PREFILL),
     (SPARSE_SUMMARY, SPARSE),
     (DISK_SUMMARY, DISK),
     (PEER_SUMMARY, PEER),
