@@ -277,7 +277,7 @@ def prepare(
     tokenizer = load_tokenizer(checkpoint, model)
     shard = f", rank {tp.rank()} of {tp.world_size()}" if tp.launched() else ""
     products = prefill_products(args.prefill_dtype)
-    shard += f", prefill's products in {products}" if products else ""
+    shard += f", prefill's products in {str(products).removeprefix('torch.')}" if products else ""
     say(
         f"Loaded {checkpoint} ({model.config.name}, {dtype}{shard}) on {device} in "
         f"{time.perf_counter() - t0:.1f} s"
