@@ -10,9 +10,9 @@ Per method, prefill dtype and chunk size, one `python generate.py --json` proces
 resident memory is its own) prefills the same prompt (prose, --prompt_tokens tokens) and generates
 4 tokens, greedy, eager. Reported: prefill seconds (the time to the first token), the process's
 peak resident memory, both as ratios over the same method's first row (its first prefill dtype, in
-one piece), and whether the first tokens agree with it. --llama_cpp adds llama.cpp's prefill of the same token ids
-(llama-cpp-python on the GGUF the default model comes from, its f16 KV cache, batches of 512,
-torch's thread count) and its time over our full cache's first row.
+one piece), and whether the first tokens agree with it. --llama_cpp adds llama.cpp's prefill of
+the same token ids (llama-cpp-python on the GGUF the default model comes from, its f16 KV cache,
+batches of 512, torch's thread count) and its time over our full cache's first row.
 """
 
 import argparse
