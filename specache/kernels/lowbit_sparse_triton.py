@@ -42,7 +42,7 @@ try:
 except ImportError:  # a CPU-only install: the GPU path falls back to the PyTorch one
     triton = None
 else:
-    from specache.kernels.lowbit_triton import _codes
+    from specache.kernels.lowbit_triton import _codes, _exponentiate, _store_scores, _values
 
 BLOCK_M = lowbit_triton.BLOCK_M
 HALF_EVEN = 12582912.0  # 1.5 * 2**23: x + it - it rounds |x| < 2**22 half to even in fp32
@@ -74,7 +74,7 @@ if triton is not None:
     ):
         bh, block = tl.program_id(0), tl.program_id(1)
         offs_t = block * GROUP + tl.arange(0, GROUP)
-        offs_d, offs_m, offs_k = tl.arange(0, D), tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_K)
+        offs_d, offs_m = tl.arange(0, D), tl.arange(0, BLOCK_M)
         t_ok, m_ok = offs_t < T, offs_m < M
         codes = _codes(k_packed + bh * T * (D * BITS // 8), offs_t, t_ok, offs_d, D, BITS)
         group_at = (bh * N_BLOCKS + block) * D + offs_d
@@ -92,20 +92,24 @@ if triton is not None:
         dots = tl.dot(q8, tl.trans(codes), input_precision="ieee")  # (BLOCK_M, GROUP)
         bias = tl.sum(q * zero[None, :], axis=1)
         score = alpha[:, None] * dots + bias[:, None]
-        excluded = tl.load(excluded_pos + bh * K + offs_k, mask=offs_k < K, other=-1)
-        valid = tl.load(excluded_valid + bh * K + offs_k, mask=offs_k < K, other=0) != 0
-        hit = (
-            tl.sum(((offs_t[:, None] == excluded[None, :]) & valid[None, :]).to(tl.int32), axis=1)
-            > 0
-        )
-        allowed = t_ok & (offs_t < tl.load(visible_len + bh // HEADS)) & ~hit
-        score = tl.where(allowed[None, :], score, float("-inf"))
-        tl.store(
-            weights + bh * M * T + offs_m[:, None] * T + offs_t[None, :],
+        _store_scores(
             score,
-            mask=m_ok[:, None] & t_ok[None, :],
+            visible_len,
+            excluded_pos,
+            excluded_valid,
+            weights,
+            block_max,
+            bh,
+            block,
+            offs_t,
+            offs_m,
+            T,
+            M,
+            K,
+            HEADS,
+            N_BLOCKS,
+            BLOCK_K,
         )
-        tl.store(block_max + (bh * N_BLOCKS + block) * M + offs_m, tl.max(score, axis=1), mask=m_ok)
 
     @triton.jit
     def _sparse_mix(
@@ -132,33 +136,19 @@ if triton is not None:
         offs_t = block * GROUP + tl.arange(0, GROUP)
         offs_d, offs_m = tl.arange(0, D), tl.arange(0, BLOCK_M)
         t_ok, m_ok = offs_t < T, offs_m < M
-        where = weights + bh * M * T + offs_m[:, None] * T + offs_t[None, :]
-        ok = m_ok[:, None] & t_ok[None, :]
-        score = tl.load(where, mask=ok, other=float("-inf"))
-        top = tl.load(row_max + bh * M + offs_m, mask=m_ok, other=0)
-        # nothing allowed: every weight is exp(-inf) = 0
-        top = tl.where(top == float("-inf"), 0.0, top)
-        p = tl.exp(score - top[:, None])
-        tl.store(where, p, mask=ok)
+        p = _exponentiate(weights, row_max, bh, offs_t, offs_m, T, M)
         heavy = tl.sum(((p > 0) & (p >= min_weight)).to(tl.int32), axis=0) > 0  # (GROUP,)
         tl.store(kept + bh * T + offs_t, heavy.to(tl.int8), mask=t_ok)
         skipped = tl.sum(tl.where(heavy[None, :], 0.0, p), axis=1)
         mean = tl.load(v_mean + (bh * N_BLOCKS + block) * D + offs_d).to(tl.float32)
         out = skipped[:, None] * mean[None, :]
         if tl.sum(heavy.to(tl.int32), axis=0) > 0:  # only then are the group's values read
-            codes = _codes(
-                v_packed + bh * T * (D * BITS // 8), offs_t, t_ok & heavy, offs_d, D, BITS
+            read = t_ok & heavy
+            values = _values(
+                v_packed, v_scale, v_zero, bh, offs_t, read, offs_d, T, D, BITS, VALUE_GROUPS
             )
-            group_of = (
-                bh * T * VALUE_GROUPS
-                + offs_t[:, None] * VALUE_GROUPS
-                + (offs_d // (D // VALUE_GROUPS))[None, :]
-            )
-            read = (t_ok & heavy)[:, None]
-            scale = tl.load(v_scale + group_of, mask=read, other=0).to(tl.float32)
-            zero = tl.load(v_zero + group_of, mask=read, other=0).to(tl.float32)
             p_kept = tl.where(heavy[None, :], p, 0.0)
-            out += tl.dot(p_kept, codes * scale + zero, input_precision="ieee")  # (BLOCK_M, D)
+            out += tl.dot(p_kept, values, input_precision="ieee")  # (BLOCK_M, D)
         at = (bh * N_BLOCKS + block) * M
         tl.store(block_sum + at + offs_m, tl.sum(p, axis=1), mask=m_ok)
         tl.store(block_out + (at + offs_m[:, None]) * D + offs_d[None, :], out, mask=m_ok[:, None])

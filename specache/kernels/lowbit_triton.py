@@ -60,6 +60,85 @@ if triton is not None:
         return ((byte >> ((offs_d[None, :] * BITS) % 8)) & ((1 << BITS) - 1)).to(tl.float32)
 
     @triton.jit
+    def _store_scores(
+        score,
+        visible_len,
+        excluded_pos,
+        excluded_valid,
+        weights,
+        block_max,
+        bh,
+        block,
+        offs_t,
+        offs_m,
+        T,
+        M,
+        K,
+        HEADS,
+        N_BLOCKS,
+        BLOCK_K: tl.constexpr,
+    ):
+        """The block's scores (BLOCK_M, BLOCK_T) of positions offs_t, -inf where not allowed
+        (beyond visible_len, or a valid excluded position), into `weights`; each row's largest
+        into `block_max`."""
+        t_ok, m_ok, offs_k = offs_t < T, offs_m < M, tl.arange(0, BLOCK_K)
+        excluded = tl.load(excluded_pos + bh * K + offs_k, mask=offs_k < K, other=-1)
+        valid = tl.load(excluded_valid + bh * K + offs_k, mask=offs_k < K, other=0) != 0
+        hit = (
+            tl.sum(((offs_t[:, None] == excluded[None, :]) & valid[None, :]).to(tl.int32), axis=1)
+            > 0
+        )
+        allowed = t_ok & (offs_t < tl.load(visible_len + bh // HEADS)) & ~hit
+        score = tl.where(allowed[None, :], score, float("-inf"))
+        tl.store(
+            weights + bh * M * T + offs_m[:, None] * T + offs_t[None, :],
+            score,
+            mask=m_ok[:, None] & t_ok[None, :],
+        )
+        tl.store(block_max + (bh * N_BLOCKS + block) * M + offs_m, tl.max(score, axis=1), mask=m_ok)
+
+    @triton.jit
+    def _exponentiate(weights, row_max, bh, offs_t, offs_m, T, M):
+        """The block's weights exp(score - row_max) (BLOCK_M, BLOCK_T), written over its scores
+        in `weights`."""
+        t_ok, m_ok = offs_t < T, offs_m < M
+        where = weights + bh * M * T + offs_m[:, None] * T + offs_t[None, :]
+        ok = m_ok[:, None] & t_ok[None, :]
+        score = tl.load(where, mask=ok, other=float("-inf"))
+        top = tl.load(row_max + bh * M + offs_m, mask=m_ok, other=0)
+        # nothing allowed: every weight is exp(-inf) = 0
+        top = tl.where(top == float("-inf"), 0.0, top)
+        p = tl.exp(score - top[:, None])
+        tl.store(where, p, mask=ok)
+        return p
+
+    @triton.jit
+    def _values(
+        v_packed,
+        v_scale,
+        v_zero,
+        bh,
+        offs_t,
+        read,
+        offs_d,
+        T,
+        D: tl.constexpr,
+        BITS: tl.constexpr,
+        VALUE_GROUPS: tl.constexpr,
+    ):
+        """The (BLOCK_T, D) low-bit values of positions offs_t, code * scale + zero per (token,
+        value group); 0 where not `read`."""
+        codes = _codes(v_packed + bh * T * (D * BITS // 8), offs_t, read, offs_d, D, BITS)
+        group_of = (
+            bh * T * VALUE_GROUPS
+            + offs_t[:, None] * VALUE_GROUPS
+            + (offs_d // (D // VALUE_GROUPS))[None, :]
+        )
+        scale = tl.load(v_scale + group_of, mask=read[:, None], other=0).to(tl.float32)
+        zero = tl.load(v_zero + group_of, mask=read[:, None], other=0).to(tl.float32)
+        return codes * scale + zero
+
+    @triton.jit
     def _scores(
         rows,
         k_packed,
@@ -84,7 +163,7 @@ if triton is not None:
     ):
         bh, block = tl.program_id(0), tl.program_id(1)
         offs_t = block * BLOCK_T + tl.arange(0, BLOCK_T)
-        offs_d, offs_m, offs_k = tl.arange(0, D), tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_K)
+        offs_d, offs_m = tl.arange(0, D), tl.arange(0, BLOCK_M)
         t_ok, m_ok = offs_t < T, offs_m < M
         codes = _codes(k_packed + bh * T * (D * BITS // 8), offs_t, t_ok, offs_d, D, BITS)
         n_groups = (T + GROUP - 1) // GROUP
@@ -96,20 +175,24 @@ if triton is not None:
             rows + bh * M * D + offs_m[:, None] * D + offs_d[None, :], mask=m_ok[:, None], other=0
         )
         score = tl.dot(q, tl.trans(keys), input_precision="ieee")  # (BLOCK_M, BLOCK_T)
-        excluded = tl.load(excluded_pos + bh * K + offs_k, mask=offs_k < K, other=-1)
-        valid = tl.load(excluded_valid + bh * K + offs_k, mask=offs_k < K, other=0) != 0
-        hit = (
-            tl.sum(((offs_t[:, None] == excluded[None, :]) & valid[None, :]).to(tl.int32), axis=1)
-            > 0
-        )
-        allowed = t_ok & (offs_t < tl.load(visible_len + bh // HEADS)) & ~hit
-        score = tl.where(allowed[None, :], score, float("-inf"))
-        tl.store(
-            weights + bh * M * T + offs_m[:, None] * T + offs_t[None, :],
+        _store_scores(
             score,
-            mask=m_ok[:, None] & t_ok[None, :],
+            visible_len,
+            excluded_pos,
+            excluded_valid,
+            weights,
+            block_max,
+            bh,
+            block,
+            offs_t,
+            offs_m,
+            T,
+            M,
+            K,
+            HEADS,
+            N_BLOCKS,
+            BLOCK_K,
         )
-        tl.store(block_max + (bh * N_BLOCKS + block) * M + offs_m, tl.max(score, axis=1), mask=m_ok)
 
     @triton.jit
     def _mix(
@@ -133,23 +216,11 @@ if triton is not None:
         offs_t = block * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_d, offs_m = tl.arange(0, D), tl.arange(0, BLOCK_M)
         t_ok, m_ok = offs_t < T, offs_m < M
-        where = weights + bh * M * T + offs_m[:, None] * T + offs_t[None, :]
-        ok = m_ok[:, None] & t_ok[None, :]
-        score = tl.load(where, mask=ok, other=float("-inf"))
-        top = tl.load(row_max + bh * M + offs_m, mask=m_ok, other=0)
-        # nothing allowed: every weight is exp(-inf) = 0
-        top = tl.where(top == float("-inf"), 0.0, top)
-        p = tl.exp(score - top[:, None])
-        tl.store(where, p, mask=ok)
-        codes = _codes(v_packed + bh * T * (D * BITS // 8), offs_t, t_ok, offs_d, D, BITS)
-        group_of = (
-            bh * T * VALUE_GROUPS
-            + offs_t[:, None] * VALUE_GROUPS
-            + (offs_d // (D // VALUE_GROUPS))[None, :]
+        p = _exponentiate(weights, row_max, bh, offs_t, offs_m, T, M)
+        values = _values(
+            v_packed, v_scale, v_zero, bh, offs_t, t_ok, offs_d, T, D, BITS, VALUE_GROUPS
         )
-        scale = tl.load(v_scale + group_of, mask=t_ok[:, None], other=0).to(tl.float32)
-        zero = tl.load(v_zero + group_of, mask=t_ok[:, None], other=0).to(tl.float32)
-        out = tl.dot(p, codes * scale + zero, input_precision="ieee")  # (BLOCK_M, D)
+        out = tl.dot(p, values, input_precision="ieee")  # (BLOCK_M, D)
         at = (bh * N_BLOCKS + block) * M
         tl.store(block_sum + at + offs_m, tl.sum(p, axis=1), mask=m_ok)
         tl.store(block_out + (at + offs_m[:, None]) * D + offs_d[None, :], out, mask=m_ok[:, None])
