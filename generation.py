@@ -58,6 +58,12 @@ def sample(
 # ---------------------------------------------------------------------------------------------
 
 
+def products_in(device: torch.device, dtype: Optional[torch.dtype]) -> torch.autocast:
+    """The matrix products in `dtype` under it (None: as they are): torch.autocast without its
+    cache of cast weights, which would hold a second copy of every weight."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None, cache_enabled=False)
+
+
 def prefill(
     model: Transformer,
     tokens: Tensor,
@@ -281,10 +287,7 @@ def generate(
         else:
             cache.begin(tokens, lengths, held)
             chunked = dict(start=held, chunk=options.prefill_chunk, **sampling)
-            products = options.prefill_products
-            with torch.autocast(
-                device.type, dtype=products, enabled=products is not None, cache_enabled=False
-            ):
+            with products_in(device, options.prefill_products):
                 if options.compile_prefill:
                     real = prefill(
                         model,

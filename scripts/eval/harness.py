@@ -49,6 +49,7 @@ from generation import (  # noqa: E402
     compile_decode,
     generate,
     prefill,
+    products_in,
 )
 from generate import COMPILED_CAPACITY_STEP  # noqa: E402
 from model import Transformer, prompt_attention  # noqa: E402
@@ -175,13 +176,7 @@ class Runner:
         model.setup_rope(self.capacity(prompt, max_new_tokens) + 1)
         device = model.tok_embeddings.weight.device
         t0 = time.perf_counter()
-        products = self.prefill_products
-        with (
-            torch.compiler.set_stance("force_eager"),
-            torch.autocast(
-                device.type, dtype=products, enabled=products is not None, cache_enabled=False
-            ),
-        ):
+        with torch.compiler.set_stance("force_eager"), products_in(device, self.prefill_products):
             first = prefill(
                 model,
                 torch.tensor([prompt], device=device),
