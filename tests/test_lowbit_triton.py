@@ -31,56 +31,60 @@ CASES = [
 ]
 
 
+def random_problem(n_kv, m, d, t, visible, k, bits, group, seed, peak=1.0):
+    """rows (scaled by `peak`), the low-bit copy (6 tensors) of random keys (outlier channels) and
+    values of 2 sequences, their visible lengths, and k excluded positions per KV head (80%
+    valid)."""
+    from specache.lowbit import quantize_keys, quantize_values
+
+    g = torch.Generator().manual_seed(seed)
+    padded = -(-t // group) * group
+    keys = torch.randn(2, n_kv, padded, d, generator=g) * torch.linspace(0.2, 3, d)
+    values = torch.randn(2, n_kv, t, d, generator=g)
+    k_packed, k_scale, k_zero = quantize_keys(keys, bits, group, torch.float16)
+    copy = (
+        k_packed[:, :, :t].contiguous(),
+        k_scale,
+        k_zero,
+        *quantize_values(values, bits, group, torch.float16),
+    )
+    rows = torch.randn(2, n_kv, m, d, generator=g) * d**-0.5 * peak
+    visible_len = torch.tensor([visible, max(0, visible - 17)])
+    excluded = torch.stack([torch.randperm(t, generator=g)[:k] for _ in range(2 * n_kv)])
+    excluded_valid = torch.rand(2, n_kv, k, generator=g) < 0.8
+    return rows, copy, visible_len, excluded.view(2, n_kv, k), excluded_valid
+
+
+def assert_softmax_pieces_match(got, expected, case: str) -> None:
+    """weights, row_max, row_sum and out: -inf where the reference has it, else within 1e-4 (1e-5
+    of the largest magnitude)."""
+    for name, a, b in zip(("weights", "row_max", "row_sum", "out"), got, expected):
+        finite = b.isfinite()
+        assert torch.equal(a.cpu().isfinite(), finite), (name, case)
+        scale = b[finite].abs().max().item() if finite.any() else 1.0
+        torch.testing.assert_close(
+            a.cpu()[finite],
+            b[finite],
+            rtol=1e-4,
+            atol=1e-5 * scale,
+            msg=lambda text: f"{name}, {case}: {text}",
+        )
+
+
 def check_all(device: str) -> None:
     from specache.kernels.lowbit_triton import run_kernels
-    from specache.lowbit import LowBitKV, quantize_keys, quantize_values
     from specache.ops import lowbit_partial_attention_reference
 
     for bits in (1, 2):
         for n_kv, m, d, t, visible, k in CASES:
-            g = torch.Generator().manual_seed(t + bits)
             group = 64
-            padded = -(-t // group) * group
-            keys = torch.randn(2, n_kv, padded, d, generator=g) * torch.linspace(0.2, 3, d)
-            values = torch.randn(2, n_kv, t, d, generator=g)
-            k_packed, k_scale, k_zero = quantize_keys(keys, bits, group, torch.float16)
-            kv = LowBitKV(
-                k_packed[:, :, :t].contiguous(),
-                k_scale,
-                k_zero,
-                *quantize_values(values, bits, group, torch.float16),
-                bits,
-                group,
-            )
-            rows = torch.randn(2, n_kv, m, d, generator=g) * d**-0.5
-            visible_len = torch.tensor([visible, max(0, visible - 17)])
-            excluded = torch.stack(
-                [torch.randperm(t, generator=g)[:k] for _ in range(2 * n_kv)]
-            ).view(2, n_kv, k)
-            excluded_valid = torch.rand(2, n_kv, k, generator=g) < 0.8
-            expected = lowbit_partial_attention_reference(
-                rows, *kv[:6], bits, group, visible_len, excluded, excluded_valid
-            )
-            moved = [x.to(device) for x in (rows, *kv[:6])]
-            got = run_kernels(
-                *moved,
-                bits,
-                group,
-                visible_len.to(device),
-                excluded.to(device),
-                excluded_valid.to(device),
-            )
-            for name, a, b in zip(("weights", "row_max", "row_sum", "out"), got, expected):
-                finite = b.isfinite()
-                assert torch.equal(a.cpu().isfinite(), finite), (name, bits, t)
-                scale = b[finite].abs().max().item() if finite.any() else 1.0
-                torch.testing.assert_close(
-                    a.cpu()[finite],
-                    b[finite],
-                    rtol=1e-4,
-                    atol=1e-5 * scale,
-                    msg=lambda text: f"{name}, bits {bits}, T {t}: {text}",
-                )
+            problem = random_problem(n_kv, m, d, t, visible, k, bits, group, seed=t + bits)
+            rows, copy, visible_len, excluded, excluded_valid = problem
+            masks = (visible_len, excluded, excluded_valid)
+            expected = lowbit_partial_attention_reference(rows, *copy, bits, group, *masks)
+            moved = [x.to(device) for x in (rows, *copy)]
+            got = run_kernels(*moved, bits, group, *(x.to(device) for x in masks))
+            assert_softmax_pieces_match(got, expected, f"bits {bits}, T {t}")
 
 
 # (KV heads, rows, head_dim, T, visible, excluded per head, group, min_weight, row scale): the
@@ -97,42 +101,22 @@ SPARSE_CASES = [
 
 def check_sparse(device: str) -> None:
     from specache.kernels.lowbit_sparse_triton import run_kernels
-    from specache.lowbit import quantize_keys, quantize_values
     from specache.ops import lowbit_partial_attention_sparse_reference
     from specache.sparse import value_means
 
     for bits in (1, 2):
         for n_kv, m, d, t, visible, k, group, min_weight, peak in SPARSE_CASES:
-            g = torch.Generator().manual_seed(t + bits + group)
-            padded = -(-t // group) * group
-            keys = torch.randn(2, n_kv, padded, d, generator=g) * torch.linspace(0.2, 3, d)
-            values = torch.randn(2, n_kv, t, d, generator=g)
-            k_packed, k_scale, k_zero = quantize_keys(keys, bits, group, torch.float16)
-            v_packed, v_scale, v_zero = quantize_values(values, bits, group, torch.float16)
-            v_mean = value_means(v_packed, v_scale, v_zero, bits, group)
-            copy = (k_packed[:, :, :t].contiguous(), k_scale, k_zero, v_packed, v_scale, v_zero)
-            rows = torch.randn(2, n_kv, m, d, generator=g) * d**-0.5 * peak
-            visible_len = torch.tensor([visible, max(0, visible - 17)])
-            excluded = torch.stack(
-                [torch.randperm(t, generator=g)[:k] for _ in range(2 * n_kv)]
-            ).view(2, n_kv, k)
-            excluded_valid = torch.rand(2, n_kv, k, generator=g) < 0.8
+            problem = random_problem(
+                n_kv, m, d, t, visible, k, bits, group, seed=t + bits + group, peak=peak
+            )
+            rows, copy, visible_len, excluded, excluded_valid = problem
+            v_mean = value_means(*copy[3:], bits, group)
             arguments = (*copy, v_mean, bits, group, min_weight, visible_len, excluded)
             expected = lowbit_partial_attention_sparse_reference(rows, *arguments, excluded_valid)
             moved = [x.to(device) if isinstance(x, torch.Tensor) else x for x in arguments]
             got = run_kernels(rows.to(device), *moved, excluded_valid.to(device))
             case = f"bits {bits}, T {t}, group {group}, min_weight {min_weight:.4f}"
-            for name, a, b in zip(("weights", "row_max", "row_sum", "out"), got, expected):
-                finite = b.isfinite()
-                assert torch.equal(a.cpu().isfinite(), finite), (name, case)
-                scale = b[finite].abs().max().item() if finite.any() else 1.0
-                torch.testing.assert_close(
-                    a.cpu()[finite],
-                    b[finite],
-                    rtol=1e-4,
-                    atol=1e-5 * scale,
-                    msg=lambda text: f"{name}, {case}: {text}",
-                )
+            assert_softmax_pieces_match(got, expected, case)
             # kept may differ only where some row's weight rounds across min_weight
             differs = got.kept.cpu() != expected.kept
             near = ((expected.weights - min_weight).abs() <= 1e-5 * min_weight).any(2)
